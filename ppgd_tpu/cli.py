@@ -1,0 +1,184 @@
+"""`ppgd-tpu <command>`: train, pretrain, bench (and the commands other modules provide).
+
+Every config field is an absl flag named by its dotted path (`--decomp.steps=2000`), typed
+by the schema; `--helpfull` lists them. A refused input (unknown flag, wrong type, out of
+range, inconsistent) exits with status 2 and one message naming the field, before any
+compute and without touching an existing run directory.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+import typing
+from typing import Literal
+
+from absl import flags, logging
+
+from ppgd_tpu import config as config_lib
+from ppgd_tpu.config import Config, ConfigError
+
+USAGE = """usage: ppgd-tpu <command> [flags]
+
+commands:
+  train     decompose a target (no --config: the embedded TMS 5-2 default)
+  pretrain  train a toy target and save it (safetensors + config)
+  bench     benchmarks: `bench step --config ...`
+  tokenize  pack documents into a token store
+  ckpt      checkpoint tools: ls | digest | verify
+  launch-local  run N local processes of a ppgd-tpu command
+
+`ppgd-tpu <command> --helpfull` lists that command's flags."""
+
+
+class UsageError(ConfigError):
+    """A bad command line (exit 2)."""
+
+
+def _split_value(args: list[str], name: str) -> str | None:
+    """The value of --name in args (either --name=V or --name V), without parsing the rest."""
+    for i, a in enumerate(args):
+        if a == f"--{name}" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(f"--{name}="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _define(fv: flags.FlagValues, path: str, tp, default, help_: str) -> None:
+    kw = dict(flag_values=fv, help=f"{help_} (default {default!r})")
+    if typing.get_origin(tp) is Literal:
+        flags.DEFINE_enum(path, None, [str(a) for a in typing.get_args(tp)], **kw)
+    elif tp is bool:
+        flags.DEFINE_boolean(path, None, **kw)
+    elif tp is int:
+        flags.DEFINE_integer(path, None, **kw)
+    elif tp is float:
+        flags.DEFINE_float(path, None, **kw)
+    else:
+        flags.DEFINE_string(path, None, **kw)
+
+
+def parse_config_args(args: list[str], extra: dict[str, tuple[str, str]] | None = None):
+    """Parses `[--config PATH] [--<dotted.field>=V ...] [extra flags]` -> (Config, extras).
+
+    `extra` maps a command's own flag names to (default, help). The YAML file is loaded
+    first so its dict entries (recon terms, site patterns) get flags too.
+    """
+    extra = dict(extra or {})
+    path = _split_value(args, "config")
+    cfg = config_lib.load(path)
+    fv = flags.FlagValues()
+    flags.DEFINE_string("config", None, "experiment YAML (none: the embedded default)",
+                        flag_values=fv)
+    for name, (default, help_) in extra.items():
+        flags.DEFINE_string(name, default, help_, flag_values=fv)
+    leaves = {p: tp for p, tp, _, _ in config_lib.leaves(cfg)}
+    for p, tp, value, help_ in config_lib.leaves(cfg):
+        _define(fv, p, tp, value, help_)
+    if any(a in ("--helpfull", "--help", "-h") for a in args):
+        print(f"flags (with --config {path or '<embedded default>'}):")
+        print("  --config=PATH  experiment YAML")
+        for name, (default, help_) in extra.items():
+            print(f"  --{name}={default}  {help_}")
+        print(config_lib.describe(cfg))
+        raise SystemExit(0)
+    try:
+        positional = fv(["ppgd-tpu", *args])[1:]
+    except flags.UnrecognizedFlagError as e:
+        close = difflib.get_close_matches(e.flagname, list(leaves) + list(extra), n=3)
+        hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+        raise UsageError(f"--{e.flagname}: unknown flag{hint} (see --helpfull)") from None
+    except flags.Error as e:
+        raise UsageError(str(e)) from None
+    if positional:
+        raise UsageError(f"unexpected arguments {positional}; flags look like --decomp.steps=100")
+    overrides = {p: fv[p].value for p in leaves if fv[p].present}
+    cfg = config_lib.with_overrides(cfg, overrides)
+    return cfg, {name: fv[name].value for name in extra}
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_train(args: list[str]) -> int:
+    from ppgd_tpu import engine
+    from ppgd_tpu.workspace import default_run_dir
+
+    cfg, extra = parse_config_args(args, {"run_dir": ("", "run directory (default: "
+                                                      "runs/<name>-<timestamp>)")})
+    engine.train(cfg, extra["run_dir"] or default_run_dir(cfg))
+    return 0
+
+
+def cmd_pretrain(args: list[str]) -> int:
+    import os
+
+    from ppgd_tpu.targets import build
+
+    cfg, extra = parse_config_args(args, {"output": ("", "safetensors path (default: "
+                                                     "runs/targets/<kind>-<seed>.safetensors)")})
+    out = extra["output"] or os.path.join("runs", "targets",
+                                          f"{cfg.target.kind}-{cfg.target.seed}.safetensors")
+    target = build.pretrain(cfg.target)
+    build.check(target, cfg.target)
+    build.save(target, cfg.target, out)
+    print(f"saved the {cfg.target.kind} target to {out}; use it with --target.path={out}")
+    return 0
+
+
+def cmd_bench(args: list[str]) -> int:
+    from ppgd_tpu import bench
+
+    if not args or args[0].startswith("-"):
+        raise UsageError(f"bench: which benchmark? one of {', '.join(bench.CASES)}")
+    return bench.main(args[0], args[1:])
+
+
+# Commands implemented by other modules as `main(argv) -> int`.
+DELEGATED = {
+    "tokenize": "ppgd_tpu.data.tokenize",
+    "ckpt": "ppgd_tpu.checkpoint.cli",
+    "launch-local": "ppgd_tpu.launch_local",
+}
+COMMANDS = {"train": cmd_train, "pretrain": cmd_pretrain, "bench": cmd_bench}
+
+
+def run(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    try:
+        if cmd in COMMANDS:
+            return COMMANDS[cmd](rest)
+        if cmd in DELEGATED:
+            try:
+                mod = importlib.import_module(DELEGATED[cmd])
+            except ImportError:
+                raise UsageError(f"{cmd}: not available in this build") from None
+            return mod.main(rest)
+        close = difflib.get_close_matches(cmd, list(COMMANDS) + list(DELEGATED), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UsageError(f"unknown command {cmd!r}{hint}\n\n{USAGE}")
+    except ConfigError as e:
+        print(f"ppgd-tpu {cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        from ppgd_tpu.targets.build import TargetError
+
+        if isinstance(e, TargetError):
+            print(f"ppgd-tpu {cmd}: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+def main() -> None:
+    logging.set_verbosity(logging.INFO)
+    logging.use_absl_handler()
+    sys.exit(run(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

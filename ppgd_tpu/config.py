@@ -1,0 +1,443 @@
+"""The experiment schema: frozen dataclasses, YAML loading, dotted overrides, validation.
+
+Every field carries a one-line help and (where it has one) a valid range; `describe()` lists
+them for `--helpfull`. Bad input raises ConfigError naming the dotted path, the bad value
+and what is valid, before any compute (the CLI turns it into exit status 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A refused configuration; the message names the dotted path and what is valid."""
+
+
+def _f(default=dataclasses.MISSING, help: str = "", lo=None, hi=None, factory=None):
+    meta = {"help": help, "lo": lo, "hi": hi}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """value(step): optional linear warmup from 0, then constant / linear / cosine decay to
+    value*final_frac, reaching it AT step = total-1 [S20]."""
+
+    kind: Literal["constant", "linear", "cosine"] = _f("constant", "shape after warmup")
+    value: float = _f(1e-3, "peak value (after warmup)")
+    warmup_steps: int = _f(0, "linear warmup steps from 0", lo=0)
+    final_frac: float = _f(0.0, "end value as a fraction of `value` (linear/cosine)", lo=0.0)
+
+
+@dataclass(frozen=True)
+class TMSConfig:
+    n_features: int = _f(5, "input/output features", lo=1)
+    n_hidden: int = _f(2, "hidden width m (W is [n_features, n_hidden])", lo=1)
+    n_identity_layers: int = _f(0, "fixed identity [m, m] layers between the tied matrices", lo=0)
+    feature_probability: float = _f(0.05, "P(feature active); active values ~ U[0,1]", lo=0.0, hi=1.0)
+    train_steps: int = _f(10000, "target pretraining steps", lo=1)
+    train_batch: int = _f(1024, "target pretraining batch", lo=1)
+    train_lr: float = _f(5e-3, "target pretraining AdamW lr (constant)", lo=0.0)
+    weight_decay: float = _f(0.01, "target pretraining AdamW weight decay", lo=0.0)
+
+
+@dataclass(frozen=True)
+class ResidMLPConfig:
+    n_features: int = _f(100, "features", lo=1)
+    d_embed: int = _f(1000, "residual width", lo=1)
+    d_mlp: int = _f(50, "MLP width per layer", lo=1)
+    n_layers: int = _f(1, "residual MLP layers", lo=1)
+    feature_probability: float = _f(0.01, "P(feature active); active values ~ U[-1,1]", lo=0.0, hi=1.0)
+    train_steps: int = _f(1000, "target pretraining steps", lo=1)
+    train_batch: int = _f(2048, "target pretraining batch", lo=1)
+    train_lr: float = _f(3e-3, "target pretraining AdamW lr (cosine)", lo=0.0)
+    weight_decay: float = _f(0.01, "target pretraining AdamW weight decay", lo=0.0)
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    kind: Literal["tms", "resid_mlp"] = _f("tms", "which frozen target")
+    seed: int = _f(0, "target pretraining seed (the target is a pure function of its config)")
+    path: str = _f("", "safetensors weights to load; empty = train from this config and cache")
+    tms: TMSConfig = _f(factory=TMSConfig, help="TMS target")
+    resid_mlp: ResidMLPConfig = _f(factory=ResidMLPConfig, help="ResidMLP target")
+
+
+@dataclass(frozen=True)
+class CIFnConfig:
+    kind: Literal["per_component_mlp", "per_site_mlp", "global_mlp"] = _f(
+        "per_component_mlp", "CI function family (SPEC 3)")
+    hidden: int = _f(16, "hidden width of the CI MLPs", lo=1)
+
+
+@dataclass(frozen=True)
+class DecompConfig:
+    sites: dict[str, int] = _f(factory=lambda: {"*": 20},
+                               help="site name or glob -> number of components C")
+    use_delta: bool = _f(True, "mask the delta W - VU as a (C+1)-th channel")
+    ci_fn: CIFnConfig = _f(factory=CIFnConfig, help="CI function")
+    steps: int = _f(20000, "optimizer steps", lo=1)
+    lr_components: Schedule = _f(factory=lambda: Schedule("cosine", 1e-3), help="V/U lr")
+    lr_ci_fn: Schedule = _f(factory=lambda: Schedule("cosine", 1e-3), help="CI fn lr")
+    weight_decay: float = _f(0.0, "AdamW weight decay (components and CI fn)", lo=0.0)
+    grad_clip_components: float = _f(0.01, "global-norm clip of the component gradient [S19]", lo=0.0)
+    faithfulness_warmup_steps: int = _f(0, "AdamW steps on faithfulness alone before step 0 [S21]", lo=0)
+    faithfulness_warmup_lr: float = _f(1e-3, "lr of the faithfulness warmup", lo=0.0)
+    compute_dtype: Literal["float32", "bfloat16"] = _f("float32", "forward dtype (masters stay fp32)")
+
+
+@dataclass(frozen=True)
+class ImpMinConfig:
+    coeff: float = _f(3e-3, "importance-minimality coefficient", lo=0.0)
+    kind: Literal["lp", "smooth_l0"] = _f("lp", "psi: (u+eps)^p or u^2/(u^2+gamma^2) [S7]")
+    p: Schedule = _f(factory=lambda: Schedule("constant", 1.0), help="L_p exponent schedule")
+    gamma: Schedule = _f(factory=lambda: Schedule("constant", 0.1), help="smooth-L0 gamma schedule")
+    eps: float = _f(1e-12, "L_p epsilon", lo=0.0)
+    freq_coeff: float = _f(0.0, "frequency-term coefficient (0 = absent) [S8]", lo=0.0)
+    reference_token_count: float = _f(0.0, "a in log2(1 + a f) of the frequency term", lo=0.0)
+
+
+@dataclass(frozen=True)
+class StochasticTerm:
+    coeff: float = _f(1.0, "term coefficient", lo=0.0)
+    plan: Literal["all", "chunked"] = _f("all", "all sites live at once, or sequential chunks [S10]")
+    chunk_size: int = _f(1, "sites per chunk for plan=chunked (1 = layerwise)", lo=1)
+    routing: Literal["all", "uniform_k"] = _f("all", "route every live site, or uniform_k [S11]")
+    n_draws: int = _f(1, "mask draws per plan entry", lo=1)
+
+
+@dataclass(frozen=True)
+class PersistentPGDTerm:
+    coeff: float = _f(1.0, "term coefficient", lo=0.0)
+    scope: Literal["sc", "bsc"] = _f("sc", "sources shared across the batch or one per row [S5]")
+    n_warmup: int = _f(0, "supplemental ascents per step [S24]", lo=0)
+    lr: Schedule = _f(factory=lambda: Schedule("constant", 0.01), help="source Adam-ascent lr")
+    beta1: float = _f(0.9, "Adam beta1", lo=0.0, hi=1.0)
+    beta2: float = _f(0.999, "Adam beta2", lo=0.0, hi=1.0)
+    eps: float = _f(1e-8, "Adam eps (outside the sqrt) [S15]", lo=0.0)
+
+
+@dataclass(frozen=True)
+class FreshPGDTerm:
+    coeff: float = _f(1.0, "term coefficient", lo=0.0)
+    scope: Literal["sc", "bsc"] = _f("sc", "source scope")
+    n_steps: int = _f(20, "sign-ascent steps", lo=1)
+    step_size: float = _f(0.1, "sign-ascent step", lo=0.0)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    faithfulness_coeff: float = _f(1.0, "faithfulness coefficient [S17]", lo=0.0)
+    imp_min: ImpMinConfig = _f(factory=ImpMinConfig, help="importance minimality")
+    stochastic: dict[str, StochasticTerm] = _f(
+        factory=lambda: {"stochastic": StochasticTerm(),
+                         "layerwise": StochasticTerm(plan="chunked", chunk_size=1)},
+        help="stochastic recon terms by name")
+    persistent_pgd: dict[str, PersistentPGDTerm] = _f(
+        factory=dict, help="persistent-PGD recon terms by name")
+    fresh_pgd: dict[str, FreshPGDTerm] = _f(factory=dict, help="fresh sign-PGD training terms by name")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    batch_size: int = _f(1024, "global training batch", lo=1)
+    train_batch_replay: int = _f(1, "k: steps per data batch (SPEC 7) [W1]", lo=1)
+    replay_ci_update: Literal["every", "first", "last", "mean"] = _f(
+        "every", "how often the CI fn trains inside a replay window [W2]")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = _f(1000, "fast-tier eval cadence in global steps (0 = only at the end)", lo=0)
+    batch_size: int = _f(4096, "eval batch", lo=1)
+    ci_alive_threshold: float = _f(0.1, "CI above this counts as active", lo=0.0, hi=1.0)
+    identity_tol: float = _f(0.1, "tolerance of the identity-CI error", lo=0.0, hi=1.0)
+    pgd_steps: int = _f(20, "fresh sign-PGD probe steps", lo=0)
+    pgd_step_size: float = _f(0.1, "fresh sign-PGD probe step size", lo=0.0)
+    figures: bool = _f(True, "write the slow-tier PNG figures at the end")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every: int = _f(100, "metrics.jsonl cadence in global steps", lo=1)
+    progress: bool = _f(True, "console progress bar")
+    tensorboard: bool = _f(True, "TensorBoard event files in RUN_DIR/tb")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = _f("tms_5-2", "experiment name (run dir prefix)")
+    seed: int = _f(0, "run seed: every draw is fold_in(seed, global step, ...) [R1]")
+    target: TargetConfig = _f(factory=TargetConfig, help="frozen target")
+    decomp: DecompConfig = _f(factory=DecompConfig, help="decomposition")
+    loss: LossConfig = _f(factory=LossConfig, help="losses")
+    data: DataConfig = _f(factory=DataConfig, help="data")
+    eval: EvalConfig = _f(factory=EvalConfig, help="evaluation")
+    log: LogConfig = _f(factory=LogConfig, help="logging")
+
+
+# Fields that may differ when resuming a run: they do not change the trajectory.
+RESUMABLE_PREFIXES = ("name", "eval.", "log.")
+
+
+# ---------------------------------------------------------------- building from dicts
+
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is dict:
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value, tp, path: str):
+    """Checks `value` against the annotation `tp`; returns the typed value."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}: {value!r} is not valid; expected {_type_name(tp)}")
+        return value
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return {str(k): _coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if _is_dataclass_type(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: {value!r} is not a bool; expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{path}: {value!r} is not an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: {value!r} is not a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: {value!r} is not a string")
+    raise TypeError(f"unsupported schema type {tp} at {path}")
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(cls, data: dict, path: str = ""):
+    """Builds dataclass `cls` from a (partial) nested dict; unknown keys are refused."""
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{sub}: unknown key{hint}; valid keys here: {', '.join(names)}")
+        tp = hints[key]
+        if _is_dataclass_type(tp) and isinstance(value, dict):
+            kwargs[key] = from_dict(tp, value, sub)
+        else:
+            kwargs[key] = _coerce(value, tp, sub)
+    obj = cls(**kwargs)
+    _check_ranges(obj, path)
+    return obj
+
+
+def _check_ranges(obj, path: str) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            sub = f"{path}.{f.name}" if path else f.name
+            if lo is not None and value < lo:
+                raise ConfigError(f"{sub}: {value!r} is out of range; must be >= {lo}")
+            if hi is not None and value > hi:
+                raise ConfigError(f"{sub}: {value!r} is out of range; must be <= {hi}")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def load_yaml(path: str) -> dict:
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {path!r}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping at the top level")
+    return data
+
+
+# ---------------------------------------------------------------- dotted leaves and overrides
+
+
+def leaves(cfg, path: str = ""):
+    """Yields (dotted_path, annotation, value, help) for every scalar leaf of `cfg`."""
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        sub = f"{path}.{f.name}" if path else f.name
+        tp, value, help_ = hints[f.name], getattr(cfg, f.name), f.metadata.get("help", "")
+        if dataclasses.is_dataclass(value):
+            yield from leaves(value, sub)
+        elif typing.get_origin(tp) is dict:
+            val_tp = typing.get_args(tp)[1]
+            for k, v in value.items():
+                if dataclasses.is_dataclass(v):
+                    yield from leaves(v, f"{sub}.{k}")
+                else:
+                    yield f"{sub}.{k}", val_tp, v, help_
+        else:
+            yield sub, tp, value, help_
+
+
+def parse_override(text: str, tp, path: str):
+    """Parses a command-line string for a leaf of annotation `tp`."""
+    if tp is bool or typing.get_origin(tp) is None and tp in (int, float):
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+    else:
+        value = text
+    return _coerce(value, tp, path)
+
+
+def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """Applies {dotted.path: value or string} overrides, typed by the schema."""
+    known = {p: tp for p, tp, _, _ in leaves(cfg)}
+    data = to_dict(cfg)
+    for path, text in overrides.items():
+        if path not in known:
+            close = difflib.get_close_matches(path, list(known), n=3)
+            hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+            raise ConfigError(f"--{path}: unknown config field{hint} (see --helpfull)")
+        value = parse_override(text, known[path], path) if isinstance(text, str) \
+            else _coerce(text, known[path], path)
+        node = data
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return validate(from_dict(Config, data))
+
+
+def describe(cfg: Config) -> str:
+    """One line per leaf: dotted path, type, default, meaning (for --helpfull)."""
+    rows = []
+    for path, tp, value, help_ in leaves(cfg):
+        rows.append(f"  --{path}={json.dumps(value)}  [{_type_name(tp)}]  {help_}")
+    return "\n".join(rows)
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def trajectory_diff(old: Config, new: Config) -> list[str]:
+    """Fields that differ and change the trajectory (refused on resume)."""
+    a = {p: v for p, _, v, _ in leaves(old)}
+    b = {p: v for p, _, v, _ in leaves(new)}
+    out = []
+    for p in sorted(set(a) | set(b)):
+        if a.get(p) != b.get(p) and not p.startswith(RESUMABLE_PREFIXES):
+            out.append(f"  {p}: {a.get(p, '<absent>')!r} -> {b.get(p, '<absent>')!r}")
+    return out
+
+
+# ---------------------------------------------------------------- cross-field validation
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field rules; single-field ranges are checked in from_dict."""
+    names = list(cfg.loss.stochastic) + list(cfg.loss.persistent_pgd) + list(cfg.loss.fresh_pgd)
+    reserved = {"total", "faithfulness", "imp_min"}
+    for n in names:
+        if n in reserved or names.count(n) > 1 or not n.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(
+                f"loss.*.{n}: recon term names must be unique identifiers across loss.stochastic, "
+                f"loss.persistent_pgd and loss.fresh_pgd, and not one of {sorted(reserved)}")
+    if not names:
+        raise ConfigError("loss: at least one recon term (loss.stochastic / persistent_pgd / "
+                          "fresh_pgd) is required")
+    if cfg.data.replay_ci_update != "every" and cfg.data.train_batch_replay == 1:
+        raise ConfigError(
+            f"data.replay_ci_update: {cfg.data.replay_ci_update!r} needs "
+            "data.train_batch_replay >= 2 (with k = 1 every step is a full step; use 'every')")
+    if cfg.decomp.steps % cfg.data.train_batch_replay:
+        raise ConfigError(
+            f"decomp.steps: {cfg.decomp.steps} must be a multiple of data.train_batch_replay "
+            f"({cfg.data.train_batch_replay}) so every replay window is whole [W1]")
+    if not cfg.decomp.sites:
+        raise ConfigError("decomp.sites: at least one site pattern -> C is required")
+    for pat, c in cfg.decomp.sites.items():
+        if c < 1:
+            raise ConfigError(f"decomp.sites.{pat}: C = {c} must be >= 1")
+    for sched_path, sched in _schedules(cfg):
+        if sched.warmup_steps >= cfg.decomp.steps and sched.kind != "constant":
+            raise ConfigError(
+                f"{sched_path}.warmup_steps: {sched.warmup_steps} leaves no decay steps "
+                f"(decomp.steps = {cfg.decomp.steps}); the [S20] denominator would be <= 0")
+    imp = cfg.loss.imp_min
+    if imp.freq_coeff > 0 and imp.reference_token_count <= 0:
+        raise ConfigError("loss.imp_min.reference_token_count: must be > 0 when "
+                          "loss.imp_min.freq_coeff > 0 (it is the explicit `a` of [S8])")
+    return cfg
+
+
+def _schedules(cfg: Config):
+    yield "decomp.lr_components", cfg.decomp.lr_components
+    yield "decomp.lr_ci_fn", cfg.decomp.lr_ci_fn
+    yield "loss.imp_min.p", cfg.loss.imp_min.p
+    yield "loss.imp_min.gamma", cfg.loss.imp_min.gamma
+    for n, t in cfg.loss.persistent_pgd.items():
+        yield f"loss.persistent_pgd.{n}.lr", t.lr
+
+
+def load(path: str | None, overrides: dict[str, str] | None = None) -> Config:
+    """Default config, then YAML file, then dotted overrides; validated."""
+    cfg = Config() if path is None else from_dict(Config, load_yaml(path))
+    return with_overrides(validate(cfg), overrides or {})
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+

@@ -1,0 +1,114 @@
+"""Losses of SPEC 4: importance minimality, recon divergences, stochastic recon plans.
+
+Everything here is math on the GLOBAL batch; reductions run in fp32 [N1-N3].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ppgd_tpu.config import ImpMinConfig, StochasticTerm
+from ppgd_tpu.targets.base import SiteMask
+
+
+# ---------------------------------------------------------------- importance minimality
+
+
+def imp_min(upper: dict[str, jax.Array], cfg: ImpMinConfig, p, gamma):
+    """[S7, S8] returns (contribution, lp, freq).
+
+    f[s, c] = Σ_leading ψ(upper[..., c]) / n_positions over the global batch; the frequency
+    term puts the exact global f inside the log2 [D2].
+    """
+    lp = jnp.float32(0.0)
+    freq = jnp.float32(0.0)
+    for u in upper.values():
+        u = u.astype(jnp.float32)
+        if cfg.kind == "lp":
+            psi = (u + cfg.eps) ** p
+        else:
+            psi = jnp.square(u) / (jnp.square(u) + jnp.square(gamma))
+        n_positions = u.size // u.shape[-1]
+        f = jnp.sum(psi.reshape(-1, u.shape[-1]), axis=0) / n_positions
+        lp = lp + jnp.sum(f)
+        if cfg.freq_coeff > 0:
+            freq = freq + jnp.sum(f * jnp.log2(1.0 + cfg.reference_token_count * f))
+    contribution = cfg.coeff * lp + (cfg.freq_coeff * freq if cfg.freq_coeff > 0 else 0.0)
+    return contribution, lp, freq
+
+
+# ---------------------------------------------------------------- divergences
+
+
+def mse(masked, clean):
+    """Toy recon divergence: mean over elements, fp32."""
+    return jnp.mean(jnp.square(masked.astype(jnp.float32) - clean.astype(jnp.float32)))
+
+
+def kl(clean_logits, masked_logits):
+    """[S25] KL(softmax(clean) || softmax(masked)) summed over vocab, mean over positions."""
+    p_log = jax.nn.log_softmax(clean_logits.astype(jnp.float32), axis=-1)
+    q_log = jax.nn.log_softmax(masked_logits.astype(jnp.float32), axis=-1)
+    return jnp.mean(jnp.sum(jnp.exp(p_log) * (p_log - q_log), axis=-1))
+
+
+# ---------------------------------------------------------------- masks from sources
+
+
+def mask_from_source(lower, source, use_delta: bool) -> SiteMask:
+    """SPEC 1: mask = lower + (1 - lower) * source[..., :C]; delta mask = source[..., C] raw."""
+    C = lower.shape[-1]
+    mask = lower + (1.0 - lower) * source[..., :C]
+    return SiteMask(mask=mask, delta=source[..., C] if use_delta else None)
+
+
+def uniform_k_routes(key, leading: tuple[int, ...], n_live: int) -> jax.Array:
+    """[S11] per position k ~ U{1..n_live}, then a uniform k-subset of the live sites.
+
+    Returns bool [n_live, *leading]: site i is routed where its rank in a random
+    permutation is < k.
+    """
+    k_k, k_perm = jax.random.split(key)
+    k = jax.random.randint(k_k, leading, 1, n_live + 1)
+    scores = jax.random.uniform(k_perm, (n_live, *leading))
+    rank = jnp.argsort(jnp.argsort(scores, axis=0), axis=0)
+    return rank < k[None]
+
+
+def stochastic_plan(term: StochasticTerm, sites: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """[S10] the static plan: one entry of all sites, or sequential chunks of n sites."""
+    if term.plan == "all":
+        return [sites]
+    n = term.chunk_size
+    return [sites[i:i + n] for i in range(0, len(sites), n)]
+
+
+def stochastic_masks(key, lower: dict[str, jax.Array], live: tuple[str, ...], routing: str,
+                     use_delta: bool) -> dict[str, SiteMask]:
+    """Masks of one stochastic draw: fresh U[0,1] sources per site, position and channel."""
+    masks = {}
+    leading = next(iter(lower.values())).shape[:-1]
+    routes = uniform_k_routes(jax.random.fold_in(key, 1 << 20), leading, len(live)) \
+        if routing == "uniform_k" else None
+    for i, s in enumerate(live):
+        C = lower[s].shape[-1]
+        src = jax.random.uniform(jax.random.fold_in(key, i), (*leading, C + 1))
+        m = mask_from_source(lower[s], src, use_delta)
+        masks[s] = m._replace(route=None if routes is None else routes[i])
+    return masks
+
+
+def stochastic_recon(key, term: StochasticTerm, plan, lower, recon_fn, use_delta: bool):
+    """[S10] mean over ALL forwards (plan entries x draws) of the divergence.
+
+    `recon_fn(masks) -> divergence` runs one masked forward against the clean output.
+    """
+    total = jnp.float32(0.0)
+    n = 0
+    for e, live in enumerate(plan):
+        for d in range(term.n_draws):
+            k = jax.random.fold_in(jax.random.fold_in(key, e), d)
+            total = total + recon_fn(stochastic_masks(k, lower, live, term.routing, use_delta))
+            n += 1
+    return total / n

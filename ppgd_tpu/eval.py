@@ -1,0 +1,170 @@
+"""Evaluation: a fast scalar tier (jitted, on a cadence, always at the end) and a slow
+figure tier (PNG files at the end).
+
+Recon metrics are the divergence of a masked forward against the clean output:
+`unmasked` (components only, every mask 1), `ci_masked` (mask = CI lower, no delta),
+`stochastic` (the training masks), `pgd` (a fresh sign-PGD probe on a shared source) and
+`zero` (every decomposed site outputs 0) for scale. Toys with known features add, on the
+one-hot inputs 0.75 e_i, the identity-CI error and MMCS (TOYS.md, "Metrics").
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from ppgd_tpu.decomp import adversary as adv_lib
+from ppgd_tpu.decomp import components as comp_lib
+from ppgd_tpu.decomp import losses
+from ppgd_tpu.step import Decomposer, TrainState
+from ppgd_tpu.targets.base import SiteMask, Target
+
+EVAL_TAG = 0xE7A1  # fold_in index of eval draws
+
+
+def fast_metrics(dec: Decomposer, state: TrainState, target: Target, batch):
+    """Device-side fast tier (jit this): (scalars, {site: bool [C] alive components})."""
+    cfg = dec.cfg
+    key = jax.random.fold_in(jax.random.fold_in(dec.run_key(), EVAL_TAG), state.step)
+    comps = state.components
+    clean = target.clean_output(batch)
+    ci = dec.ci(state.ci_fn, comps, target, batch)
+    thr = cfg.eval.ci_alive_threshold
+    out, alive = {}, {}
+    for s in dec.sites:
+        active = ci.lower[s] > thr
+        alive[s] = jnp.any(active.reshape(-1, active.shape[-1]), axis=0)
+        out[f"eval/ci_l0/{s}"] = jnp.mean(jnp.sum(active, axis=-1))
+        out[f"eval/alive/{s}"] = jnp.sum(alive[s])
+
+    def recon(masks):
+        return dec.recon(target, batch, comps, masks, clean)
+
+    out["eval/recon/unmasked"] = recon({s: SiteMask(jnp.ones_like(ci.lower[s])) for s in dec.sites})
+    out["eval/recon/ci_masked"] = recon({s: SiteMask(ci.lower[s]) for s in dec.sites})
+    out["eval/recon/zero"] = recon({s: SiteMask(jnp.zeros_like(ci.lower[s])) for s in dec.sites})
+    out["eval/recon/stochastic"] = recon(losses.stochastic_masks(
+        jax.random.fold_in(key, 0), ci.lower, dec.sites, "all", cfg.decomp.use_delta))
+    if cfg.eval.pgd_steps > 0:
+        src = adv_lib.sign_pgd(jax.random.fold_in(key, 1), "sc", dec.leading, dec.C,
+                               cfg.eval.pgd_steps, cfg.eval.pgd_step_size,
+                               lambda s: recon(dec.ppgd_masks(ci.lower, s)))
+        out["eval/recon/pgd"] = recon(dec.ppgd_masks(ci.lower, src))
+    out["eval/faithfulness"] = comp_lib.faithfulness(comps, target.site_weights())
+    return out, alive
+
+
+def one_hot_ci(dec: Decomposer, state: TrainState, target: Target) -> dict:
+    """CI lower on the one-hot inputs 0.75 e_i: {site: [n_features, C]} (jit this)."""
+    x = 0.75 * jnp.eye(target.n_features)
+    return dec.ci(state.ci_fn, state.components, target, x).lower
+
+
+def identity_ci_error(ci: np.ndarray, tol: float) -> int:
+    """After the column permutation maximising the diagonal (Hungarian): off-diagonal
+    entries > tol plus diagonal entries < 1 - tol. 0 is perfect."""
+    rows, cols = linear_sum_assignment(-ci)
+    diag = np.zeros_like(ci, dtype=bool)
+    diag[rows, cols] = True
+    return int(np.sum(ci[diag] < 1 - tol) + np.sum(ci[~diag] > tol))
+
+
+def mmcs(V: np.ndarray, U: np.ndarray, W: np.ndarray) -> float:
+    """Mean over rows f of W of max over c of cos(V[f, c] U[c, :], W[f, :])."""
+    u_n = U / (np.linalg.norm(U, axis=1, keepdims=True) + 1e-12)  # [C, d_out]
+    w_n = W / (np.linalg.norm(W, axis=1, keepdims=True) + 1e-12)  # [d_in, d_out]
+    cos = np.sign(V) * (w_n @ u_n.T)  # [d_in, C]
+    return float(np.mean(np.max(cos, axis=1)))
+
+
+def host_metrics(dec: Decomposer, state: TrainState, target: Target, onehot: dict | None,
+                 alive_masks: dict) -> dict:
+    """Scalars computed on the host from fetched arrays (Hungarian, MMCS, alive sums)."""
+    out = {}
+    weights = {s: np.asarray(w) for s, w in target.site_weights().items()}
+    for s in dec.sites:
+        V = np.asarray(state.components.V[s])
+        U = np.asarray(state.components.U[s])
+        alive = alive_masks[s]
+        approx = (V[:, alive] @ U[alive]) if alive.any() else np.zeros_like(weights[s])
+        out[f"eval/alive_sum_rel_error/{s}"] = float(
+            np.linalg.norm(approx - weights[s]) / (np.linalg.norm(weights[s]) + 1e-12))
+        if onehot is not None and s in target.identity_ci_sites:
+            out[f"eval/identity_ci_error/{s}"] = identity_ci_error(
+                np.asarray(onehot[s]), dec.cfg.eval.identity_tol)
+            out[f"eval/mmcs/{s}"] = mmcs(V, U, weights[s])
+    return out
+
+
+# ---------------------------------------------------------------- slow tier (figures)
+
+
+def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: str) -> list[str]:
+    """CI per input feature (heatmaps), component weights, CI histograms -> PNG files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    ci = jax.device_get(dec.ci(state.ci_fn, state.components, target, batch).lower)
+    n = len(dec.sites)
+
+    if target.n_features is not None:
+        onehot = jax.device_get(one_hot_ci(dec, state, target))
+        fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
+        for ax, s in zip(axes[0], dec.sites):
+            m = np.asarray(onehot[s])
+            rows, cols = linear_sum_assignment(-m)
+            order = list(cols) + [c for c in range(m.shape[1]) if c not in set(cols)]
+            im = ax.imshow(m[:, order], vmin=0, vmax=1, cmap="Blues", aspect="auto")
+            ax.set_title(f"CI on 0.75 e_i: {s}")
+            ax.set_xlabel("component (matched first)")
+            ax.set_ylabel("input feature")
+        fig.colorbar(im, ax=axes[0].tolist())
+        written.append(_save(fig, out_dir, "ci_per_feature.png"))
+
+    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
+    for ax, s in zip(axes[0], dec.sites):
+        V = np.asarray(state.components.V[s])
+        U = np.asarray(state.components.U[s])
+        norms = np.linalg.norm(V, axis=0) * np.linalg.norm(U, axis=1)
+        ax.bar(np.arange(len(norms)), np.sort(norms)[::-1])
+        ax.set_title(f"component norms |V_c||U_c|: {s}")
+        ax.set_yscale("log")
+    written.append(_save(fig, out_dir, "component_norms.png"))
+
+    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
+    for ax, s in zip(axes[0], dec.sites):
+        V = np.asarray(state.components.V[s])
+        U = np.asarray(state.components.U[s])
+        norms = np.linalg.norm(V, axis=0) * np.linalg.norm(U, axis=1)
+        keep = np.argsort(norms)[::-1][: min(len(norms), 12)]
+        ax.imshow(U[keep], cmap="RdBu", aspect="auto",
+                  vmin=-np.abs(U[keep]).max(), vmax=np.abs(U[keep]).max())
+        ax.set_title(f"U rows of the largest components: {s}")
+        ax.set_ylabel("component (by norm)")
+        ax.set_xlabel("d_out")
+    written.append(_save(fig, out_dir, "component_weights.png"))
+
+    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
+    for ax, s in zip(axes[0], dec.sites):
+        ax.hist(np.asarray(ci[s]).ravel(), bins=50, range=(0, 1))
+        ax.set_yscale("log")
+        ax.set_title(f"CI (lower) histogram: {s}")
+    written.append(_save(fig, out_dir, "ci_histograms.png"))
+    return written
+
+
+def _save(fig, out_dir, name):
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return path

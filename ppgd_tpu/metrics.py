@@ -1,0 +1,104 @@
+"""Metric sinks: RUN_DIR/metrics.jsonl (one flat JSON object per log step), TensorBoard
+event files in RUN_DIR/tb, and the console progress bar. Only process 0 writes.
+
+Device scalars are fetched in one `device_get` at log steps only: the loop never blocks on
+the device between log steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+
+def to_host(metrics: dict) -> dict:
+    """One transfer for the whole dict; numpy scalars -> Python numbers."""
+    fetched = jax.device_get(metrics)
+    return {k: (v.item() if isinstance(v, np.ndarray | np.generic) else v)
+            for k, v in fetched.items()}
+
+
+def window_stats(window: list[dict], prefix: str = "train/grad_norms/summary/") -> dict:
+    """min/median/max over the steps since the last log of each `prefix` key; keys missing
+    on some steps (e.g. CI grad norms on replayed steps) use the steps that have them."""
+    keys = sorted({k for m in window for k in m if k.startswith(prefix)})
+    out = {}
+    for k in keys:
+        vals = np.array([m[k] for m in window if k in m], dtype=np.float64)
+        out[f"{k}/min"] = float(vals.min())
+        out[f"{k}/median"] = float(np.median(vals))
+        out[f"{k}/max"] = float(vals.max())
+    return out
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb = None
+        if enabled and tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+
+    def truncate_after(self, step: int) -> None:
+        """Drops lines with step > `step` (a resumed run rewrites what it redoes)."""
+        if not self.enabled or not os.path.exists(self.path):
+            return
+        with open(self.path) as fh:
+            kept = [ln for ln in fh if ln.strip() and json.loads(ln)["step"] <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.writelines(kept)
+        os.replace(tmp, self.path)
+
+    def write(self, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), **values}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Progress:
+    """A tqdm bar (step, loss, ETA) on the main process; silent elsewhere."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr,
+                            mininterval=1.0, dynamic_ncols=True)
+
+    def update(self, n: int, loss: float | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.3e}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def table(values: dict) -> str:
+    """A small aligned two-column table for the console."""
+    width = max((len(k) for k in values), default=0)
+    lines = []
+    for k, v in sorted(values.items()):
+        v = f"{v:.4g}" if isinstance(v, float) else str(v)
+        lines.append(f"  {k.ljust(width)}  {v}")
+    return "\n".join(lines)

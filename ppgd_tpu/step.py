@@ -1,0 +1,219 @@
+"""One training step (SPEC 6) and its replay variants (SPEC 7), built from ONE implementation.
+
+`Decomposer` holds what is static for a run (sites, C, plans, schedules); its methods are
+the pure functions the loop jits: `init`, `full` (the plain step), `repeat` (a step on a
+cached envelope: no taps, no CI fn forward/backward [W3]), `compute_ci` (an envelope from a
+plain CI forward). They all run `_step`, which computes the losses as a function of
+(components, sources, envelope) in one backward and, when the CI fn trains, pulls the
+envelope cotangent back through one CI-fn vjp.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ppgd_tpu.config import Config
+from ppgd_tpu.decomp import adversary as adv_lib
+from ppgd_tpu.decomp import ci_fn as ci_lib
+from ppgd_tpu.decomp import components as comp_lib
+from ppgd_tpu.decomp import losses
+from ppgd_tpu.decomp.schedules import adamw, apply_update, clip_by_global_norm, global_norm, \
+    schedule_value
+from ppgd_tpu.targets.base import SiteMask, Target
+
+# fold_in indices of the run key [R1]; draws never depend on the device layout.
+_INIT_COMPONENTS, _INIT_CI, _INIT_ADV = 1, 2, 3
+_STOCHASTIC, _PERSISTENT, _FRESH = 1000, 2000, 3000
+
+
+class TrainState(eqx.Module):
+    """All trajectory state [C1] (the frozen target and the data position are not in it)."""
+
+    step: jax.Array  # int32 scalar, the GLOBAL step
+    components: comp_lib.Components
+    ci_fn: Any
+    opt_components: Any
+    opt_ci_fn: Any
+    adversaries: dict[str, adv_lib.Adversary]
+
+
+class Envelope(NamedTuple):
+    """A step's detached (lower, upper) CI pair, in compute dtype (SPEC 1)."""
+
+    lower: dict[str, jax.Array]
+    upper: dict[str, jax.Array]
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                        else x, tree)
+
+
+class Decomposer:
+    """The static description of a decomposition run and its pure step functions."""
+
+    def __init__(self, cfg: Config, target: Target, batch_shape: tuple[int, ...]):
+        self.cfg = cfg
+        weights = target.site_weights()
+        self.C = comp_lib.resolve_sites(cfg.decomp.sites, tuple(weights))
+        self.sites = tuple(self.C)  # canonical order; dict order inside jit is sorted
+        self.d_in = {s: weights[s].shape[0] for s in self.sites}
+        self.leading = tuple(batch_shape[:-1]) if len(batch_shape) > 1 else tuple(batch_shape)
+        self.steps = cfg.decomp.steps
+        self.opt = adamw(cfg.decomp.weight_decay)
+        self.dtype = jnp.bfloat16 if cfg.decomp.compute_dtype == "bfloat16" else jnp.float32
+        self.plans = {n: losses.stochastic_plan(t, self.sites)
+                      for n, t in cfg.loss.stochastic.items()}
+        self.run_key = lambda: jax.random.key(cfg.seed)
+
+    # ------------------------------------------------------------ state
+
+    def init(self, target: Target) -> TrainState:
+        key = self.run_key()
+        comps = comp_lib.init(jax.random.fold_in(key, _INIT_COMPONENTS), target.site_weights(),
+                              self.C)
+        ci_fn = ci_lib.init(self.cfg.decomp.ci_fn, jax.random.fold_in(key, _INIT_CI), self.d_in,
+                            self.C)
+        advs = {n: adv_lib.init(jax.random.fold_in(jax.random.fold_in(key, _INIT_ADV), i),
+                                t.scope, self.leading, self.C)
+                for i, (n, t) in enumerate(self.cfg.loss.persistent_pgd.items())}
+        return TrainState(step=jnp.int32(0), components=comps, ci_fn=ci_fn,
+                          opt_components=self.opt.init(comps), opt_ci_fn=self.opt.init(ci_fn),
+                          adversaries=advs)
+
+    def faithfulness_warmup(self, state: TrainState, target: Target) -> TrainState:
+        """[S21] n AdamW steps on faithfulness alone; that optimizer is discarded."""
+        n = self.cfg.decomp.faithfulness_warmup_steps
+        weights = target.site_weights()
+        lr = self.cfg.decomp.faithfulness_warmup_lr
+
+        def body(carry, _):
+            comps, opt_state = carry
+            g = jax.grad(comp_lib.faithfulness)(comps, weights)
+            return apply_update(comps, g, opt_state, self.opt, lr), None
+
+        (comps, _), _ = jax.lax.scan(body, (state.components, self.opt.init(state.components)),
+                                     None, length=n)
+        return eqx.tree_at(lambda s: s.components, state, comps)
+
+    # ------------------------------------------------------------ pieces
+
+    def ci(self, ci_fn, components, target: Target, batch) -> ci_lib.CI:
+        """[S5] CI = CI_FN(taps) with the squashings."""
+        taps = target.read_activations(batch, ci_fn.input_names)
+        return ci_lib.ci_from_logits(ci_fn(taps, components))
+
+    def recon(self, target: Target, batch, components, masks: dict[str, SiteMask], clean):
+        """One masked forward in compute dtype against the clean output; fp32 divergence."""
+        out = target.masked_forward(batch, components, masks)
+        return losses.mse(out, clean)
+
+    def ppgd_masks(self, lower, sources) -> dict[str, SiteMask]:
+        """[S12] all sites live, routed everywhere, masks from the adversary's sources."""
+        return {s: losses.mask_from_source(lower[s], sources[s], self.cfg.decomp.use_delta)
+                for s in self.sites}
+
+    def _losses(self, key, step, target, batch, clean, components, sources, env: Envelope):
+        """Total loss and its parts as a function of (components, sources, envelope)."""
+        cfg = self.cfg
+        weights = target.site_weights()
+        comps_c = _cast(components, self.dtype)
+        lower = env.lower
+
+        def recon(masks, comps=comps_c):
+            return self.recon(target, batch, comps, masks, clean)
+
+        parts = {"faithfulness": comp_lib.faithfulness(components, weights)}
+        p = schedule_value(cfg.loss.imp_min.p, step, self.steps)
+        gamma = schedule_value(cfg.loss.imp_min.gamma, step, self.steps)
+        imp, _, _ = losses.imp_min(env.upper, cfg.loss.imp_min, p, gamma)
+        parts["imp_min"] = imp
+        total = cfg.loss.faithfulness_coeff * parts["faithfulness"] + imp
+        for i, (name, term) in enumerate(cfg.loss.stochastic.items()):
+            k = jax.random.fold_in(key, _STOCHASTIC + i)
+            parts[name] = losses.stochastic_recon(k, term, self.plans[name], lower, recon,
+                                                  cfg.decomp.use_delta)
+            total = total + term.coeff * parts[name]
+        for name, term in cfg.loss.persistent_pgd.items():
+            parts[name] = recon(self.ppgd_masks(lower, sources[name]))
+            total = total + term.coeff * parts[name]
+        for i, (name, term) in enumerate(cfg.loss.fresh_pgd.items()):
+            k = jax.random.fold_in(key, _FRESH + i)
+            frozen = jax.lax.stop_gradient((comps_c, lower))
+            src = adv_lib.sign_pgd(
+                k, term.scope, self.leading, self.C, term.n_steps, term.step_size,
+                lambda s: recon(self.ppgd_masks(frozen[1], s), frozen[0]))
+            parts[name] = recon(self.ppgd_masks(lower, src))
+            total = total + term.coeff * parts[name]
+        parts["total"] = total
+        return total, parts
+
+    # ------------------------------------------------------------ the step
+
+    def _step(self, state: TrainState, target: Target, batch, env: Envelope | None):
+        """SPEC 6 with the CI fn live (env None) or replayed from `env` [W3]."""
+        cfg = self.cfg
+        step = state.step
+        key = jax.random.fold_in(self.run_key(), step)
+        target_c = _cast(target, self.dtype)
+        batch_c = batch.astype(self.dtype) if jnp.issubdtype(batch.dtype, jnp.floating) else batch
+        clean = target_c.clean_output(batch_c)
+
+        ci_vjp = None
+        if env is None:
+            def envelope_of(ci_fn):
+                ci = self.ci(ci_fn, state.components, target, batch)
+                return Envelope(_cast(ci.lower, self.dtype), _cast(ci.upper, self.dtype))
+            env, ci_vjp = jax.vjp(envelope_of, state.ci_fn)
+
+        # [S24] warmup ascents against the all-sites route-all forward, comps and CI detached.
+        advs = dict(state.adversaries)
+        frozen = jax.lax.stop_gradient((_cast(state.components, self.dtype), env.lower))
+        for name, term in cfg.loss.persistent_pgd.items():
+            lr = schedule_value(term.lr, step, self.steps)
+            obj = lambda s: self.recon(target_c, batch_c, frozen[0],
+                                       self.ppgd_masks(frozen[1], s), clean)
+            for _ in range(term.n_warmup):
+                advs[name] = adv_lib.ascend(advs[name], jax.grad(obj)(advs[name].sources), term, lr)
+
+        sources = {n: a.sources for n, a in advs.items()}
+        loss = lambda c, s, e: self._losses(key, step, target_c, batch_c, clean, c, s, e)
+        (_, parts), (g_comp, g_src, g_env) = jax.value_and_grad(loss, argnums=(0, 1, 2),
+                                                                has_aux=True)(
+            state.components, sources, env)
+
+        # [S13, S14] final ascent from the same backward, grad / coeff, before any update.
+        for name, term in cfg.loss.persistent_pgd.items():
+            lr = schedule_value(term.lr, step, self.steps)
+            g = {s: x / term.coeff for s, x in g_src[name].items()}
+            advs[name] = adv_lib.ascend(advs[name], g, term, lr)
+
+        lr_c = schedule_value(cfg.decomp.lr_components, step, self.steps)
+        g_norm_c = global_norm(g_comp)
+        g_comp = clip_by_global_norm(g_comp, cfg.decomp.grad_clip_components)
+        comps, opt_c = apply_update(state.components, g_comp, state.opt_components, self.opt, lr_c)
+
+        metrics = {f"train/loss/{k}": v for k, v in parts.items()}
+        metrics["train/lr/components"] = lr_c
+        metrics["train/grad_norms/summary/components"] = g_norm_c
+        ci_fn, opt_ci = state.ci_fn, state.opt_ci_fn
+        if ci_vjp is not None:
+            (g_ci,) = ci_vjp(g_env)
+            lr_ci = schedule_value(cfg.decomp.lr_ci_fn, step, self.steps)
+            ci_fn, opt_ci = apply_update(state.ci_fn, g_ci, state.opt_ci_fn, self.opt, lr_ci)
+            g_norm_ci = global_norm(g_ci)
+            metrics["train/lr/ci_fn"] = lr_ci
+            metrics["train/grad_norms/summary/ci_fn"] = g_norm_ci
+            metrics["train/grad_norms/summary/total"] = jnp.sqrt(g_norm_c ** 2 + g_norm_ci ** 2)
+        new = TrainState(step=step + 1, components=comps, ci_fn=ci_fn, opt_components=opt_c,
+                         opt_ci_fn=opt_ci, adversaries=advs)
+        return new, jax.lax.stop_gradient(env), metrics
+
+    def full(self, state: TrainState, target: Target, batch):
+        """The plain step (SPEC 6)."""
+        new, _, metrics = self._step(state, target, batch, None)
+        return new, metrics

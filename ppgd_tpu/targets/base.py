@@ -1,0 +1,104 @@
+"""The Target protocol (SPEC 2): a frozen model whose decomposed weights are `sites`.
+
+A target implements `forward(inputs, site_fn)`, calling `site_fn(name, x, W)` wherever the
+frozen model computes `x @ W_s`. Everything SPEC 2 names is derived from that one method
+here, so every target gets the same clean / masked / tap semantics:
+
+- clean_output: every site is the frozen `x @ W` [S3];
+- masked_forward: live sites run `site_out` (components, mask, delta, route); non-live
+  sites run the frozen `x @ W` and never touch V/U [S2];
+- read_activations: the clean-path input of each requested site [S4].
+The target is an equinox module passed to jit as an ARGUMENT, never closed over.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+SiteFn = Callable[[str, jax.Array, jax.Array], jax.Array]
+
+
+class SiteMask(NamedTuple):
+    """Masks of one live site. `delta` None = no delta channel; `route` None = routed
+    everywhere (otherwise a bool [*leading]: decomposed where True, frozen elsewhere)."""
+
+    mask: jax.Array  # [*leading, C] (or broadcastable)
+    delta: jax.Array | None = None  # [*leading]
+    route: jax.Array | None = None  # [*leading] bool
+
+
+def site_out(x, W, V, U, m: SiteMask):
+    """SPEC 2: y = ((x V) * mask) U + (x Δ) * delta_mask, Δ = W - V U; routed or frozen.
+
+    x Δ is computed as x W - (x V) U: one d_in x d_out product fewer than forming Δ.
+    """
+    inner = x @ V
+    y = (inner * m.mask) @ U
+    if m.delta is None and m.route is None:
+        return y
+    xw = x @ W
+    if m.delta is not None:
+        y = y + (xw - inner @ U) * m.delta[..., None]
+    if m.route is not None:
+        y = jnp.where(m.route[..., None], y, xw)
+    return y
+
+
+class Target(eqx.Module):
+    """Base class: subclasses define `site_weights`, `forward` and the toy metadata."""
+
+    def site_weights(self) -> dict[str, jax.Array]:
+        """{site: W [d_in, d_out]} in canonical site order."""
+        raise NotImplementedError
+
+    def forward(self, inputs: jax.Array, site_fn: SiteFn) -> jax.Array:
+        raise NotImplementedError
+
+    @property
+    def site_names(self) -> tuple[str, ...]:
+        return tuple(self.site_weights())
+
+    def clean_output(self, inputs):
+        """[S3] the recon target: the frozen forward, gradient-stopped."""
+        out = self.forward(inputs, lambda name, x, W: x @ W)
+        return jax.lax.stop_gradient(out)
+
+    def read_activations(self, inputs, wanted) -> dict[str, jax.Array]:
+        """[S4] clean-path input of every site in `wanted`, gradient-stopped."""
+        taps = {}
+
+        def record(name, x, W):
+            if name in wanted:
+                taps[name] = jax.lax.stop_gradient(x)
+            return x @ W
+
+        self.forward(inputs, record)
+        return {k: taps[k] for k in wanted}
+
+    def masked_forward(self, inputs, components, masks: dict[str, SiteMask]):
+        """[S2] live sites = keys of `masks`; everything else is the frozen path."""
+
+        def fn(name, x, W):
+            if name not in masks:
+                return x @ W
+            return site_out(x, W, components.V[name], components.U[name], masks[name])
+
+        return self.forward(inputs, fn)
+
+    def weight_deltas(self, components) -> dict[str, jax.Array]:
+        return {s: W - components.V[s] @ components.U[s] for s, W in self.site_weights().items()}
+
+    # ------------------------------------------------------------ toy metadata (eval)
+    @property
+    def n_features(self) -> int | None:
+        """Known sparse input features (toys) for the one-hot evals; None for LMs."""
+        return None
+
+    @property
+    def identity_ci_sites(self) -> tuple[str, ...]:
+        """Sites whose ideal CI pattern on one-hot inputs is the identity."""
+        return ()

@@ -1,0 +1,148 @@
+"""Building a frozen toy target: load it, or train it deterministically and cache it.
+
+A toy target is a pure function of its config (kind, seed, sizes, pretraining settings),
+so it is cached under a hash of that config: `ppgd-tpu train` needs no pre-existing file,
+and the second run reuses the first one's weights. Every target is validated before it is
+decomposed; a bad one is refused with the reason. Weights are safetensors files whose
+tensor names are the target's state-dict names; a missing, extra or mis-shaped tensor is
+refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import equinox as eqx
+from absl import logging
+from safetensors.numpy import load_file, save_file
+
+from ppgd_tpu.config import ConfigError, TargetConfig, to_dict
+from ppgd_tpu.targets import resid_mlp, tms
+from ppgd_tpu.targets.base import Target
+
+KINDS: dict[str, ModuleType] = {"tms": tms, "resid_mlp": resid_mlp}
+
+
+class TargetError(ValueError):
+    """A target that cannot be used (bad weights file, failed validation)."""
+
+
+def _kind(cfg: TargetConfig):
+    return KINDS[cfg.kind], getattr(cfg, cfg.kind)
+
+
+def cache_path(cfg: TargetConfig) -> str:
+    sub = getattr(cfg, cfg.kind)
+    blob = json.dumps({"kind": cfg.kind, "seed": cfg.seed, cfg.kind: to_dict(sub)}, sort_keys=True)
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    root = os.environ.get("PPGD_TPU_CACHE", os.path.expanduser("~/.cache/ppgd_tpu"))
+    return os.path.join(root, "targets", f"{cfg.kind}-{digest}.safetensors")
+
+
+def pretrain(cfg: TargetConfig) -> Target:
+    """Trains the toy target of `cfg` from `cfg.seed` (AdamW; one jitted scan)."""
+    mod, sub = _kind(cfg)
+    key = jax.random.key(cfg.seed)
+    target = mod.init(sub, jax.random.fold_in(key, 0))
+    params, static = eqx.partition(target, mod.trainable_filter(target))
+    if cfg.kind == "resid_mlp":
+        lr = optax.cosine_decay_schedule(sub.train_lr, sub.train_steps)
+    else:
+        lr = sub.train_lr
+    opt = optax.adamw(lr, weight_decay=sub.weight_decay)
+
+    def loss(p, x):
+        t = eqx.combine(p, static)
+        out = t.forward(x, lambda _, h, W: h @ W)
+        return jnp.mean(jnp.square(out - t.labels(x)))
+
+    def step(carry, i):
+        p, s = carry
+        x = eqx.combine(p, static).sample(jax.random.fold_in(key, i + 1), sub.train_batch)
+        val, g = jax.value_and_grad(loss)(p, x)
+        upd, s = opt.update(g, s, p)
+        return (optax.apply_updates(p, upd), s), val
+
+    @jax.jit
+    def run(p):
+        (p, _), losses = jax.lax.scan(step, (p, opt.init(p)), jnp.arange(sub.train_steps))
+        return p, losses
+
+    params, losses = run(params)
+    logging.info("pretrained %s target: final loss %.3e", cfg.kind, float(losses[-1]))
+    return eqx.combine(params, static)
+
+
+def save(target: Target, cfg: TargetConfig, path: str) -> None:
+    """Writes safetensors + the target config (metadata), atomically."""
+    mod, _ = _kind(cfg)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tensors = {k: np.asarray(v) for k, v in mod.state_dict(target).items()}
+    tmp = f"{path}.tmp.{os.getpid()}"
+    save_file(tensors, tmp, metadata={"target": json.dumps(to_dict(cfg))})
+    os.replace(tmp, path)
+
+
+def load(cfg: TargetConfig, path: str) -> Target:
+    """Loads weights named as the target's state dict; refuses missing/extra/mis-shaped."""
+    mod, sub = _kind(cfg)
+    if not os.path.exists(path):
+        raise ConfigError(f"target.path: no such file {path!r}")
+    try:
+        sd = load_file(path)
+    except Exception as e:  # safetensors raises several types for a damaged header
+        raise TargetError(f"target.path: {path} is not a readable safetensors file ({e})") from None
+    template = jax.eval_shape(lambda: mod.state_dict(mod.init(sub, jax.random.key(0))))
+    problems = [f"missing tensor {k!r} (expected shape {tuple(v.shape)})"
+                for k, v in template.items() if k not in sd]
+    problems += [f"unexpected tensor {k!r}" for k in sd if k not in template]
+    problems += [f"tensor {k!r} has shape {tuple(sd[k].shape)}, expected {tuple(v.shape)}"
+                 for k, v in template.items() if k in sd and sd[k].shape != tuple(v.shape)]
+    if problems:
+        raise TargetError(f"target.path: {path} does not match target.{cfg.kind}: "
+                          + "; ".join(problems))
+    return mod.from_state_dict(sub, {k: v.astype(np.float32) for k, v in sd.items()})
+
+
+def check(target: Target, cfg: TargetConfig) -> None:
+    mod, _ = _kind(cfg)
+    problems = mod.check(target)
+    if problems:
+        raise TargetError(f"target ({cfg.kind}) failed validation, refusing to decompose it: "
+                          + "; ".join(problems))
+
+
+def build(cfg: TargetConfig) -> Target:
+    """The frozen, validated target of `cfg`: from target.path, the cache, or pretraining."""
+    if cfg.path:
+        target = load(cfg, cfg.path)
+    else:
+        path = cache_path(cfg)
+        if os.path.exists(path):
+            target = load(cfg, path)
+        else:
+            target = pretrain(cfg)
+            check(target, cfg)
+            save(target, cfg, path)
+            logging.info("cached the trained target at %s", path)
+    check(target, cfg)
+    return target
+
+
+def site_names(cfg: TargetConfig) -> tuple[str, ...]:
+    """The target's sites in canonical order, from shapes alone (no compute)."""
+    mod, sub = _kind(cfg)
+    names: list[str] = []
+
+    def trace():  # dict outputs come back key-sorted, so record the order while tracing
+        names.extend(mod.init(sub, jax.random.key(0)).site_names)
+
+    jax.eval_shape(trace)
+    return tuple(names)

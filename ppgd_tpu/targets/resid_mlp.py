@@ -1,0 +1,101 @@
+"""ResidMLP ("compressed computation", TOYS.md): r = x W_E; r += ReLU(r W_in) W_out; out = r W_E^T.
+
+W_E is fixed random with unit-norm rows and never trained; labels are y = x + ReLU(x).
+Sites: `layers.{i}.mlp_in` [d_embed, d_mlp], `layers.{i}.mlp_out` [d_mlp, d_embed].
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ppgd_tpu.config import ResidMLPConfig
+from ppgd_tpu.data.toy import sparse_features
+from ppgd_tpu.targets.base import Target
+
+
+class ResidMLP(Target):
+    W_E: jax.Array  # [n_features, d_embed], unit-norm rows, fixed
+    W_in: tuple[jax.Array, ...]  # per layer [d_embed, d_mlp]
+    W_out: tuple[jax.Array, ...]  # per layer [d_mlp, d_embed]
+    feature_probability: float = eqx.field(static=True)
+
+    def site_weights(self):
+        sites = {}
+        for i, (w_in, w_out) in enumerate(zip(self.W_in, self.W_out)):
+            sites[f"layers.{i}.mlp_in"] = w_in
+            sites[f"layers.{i}.mlp_out"] = w_out
+        return sites
+
+    def forward(self, inputs, site_fn):
+        r = inputs @ self.W_E
+        for i, (w_in, w_out) in enumerate(zip(self.W_in, self.W_out)):
+            h = jax.nn.relu(site_fn(f"layers.{i}.mlp_in", r, w_in))
+            r = r + site_fn(f"layers.{i}.mlp_out", h, w_out)
+        return r @ self.W_E.T
+
+    @property
+    def n_features(self):
+        return self.W_E.shape[0]
+
+    @property
+    def identity_ci_sites(self):
+        return ("layers.0.mlp_in",)
+
+    def sample(self, key, batch: int):
+        return sparse_features(key, batch, self.n_features, self.feature_probability, -1.0, 1.0)
+
+    def labels(self, x):
+        return x + jax.nn.relu(x)
+
+
+def init(cfg: ResidMLPConfig, key) -> ResidMLP:
+    k_e, *ks = jax.random.split(key, 1 + 2 * cfg.n_layers)
+    W_E = jax.random.normal(k_e, (cfg.n_features, cfg.d_embed))
+    W_E = W_E / jnp.linalg.norm(W_E, axis=1, keepdims=True)
+    w_in = tuple(jax.random.normal(ks[2 * i], (cfg.d_embed, cfg.d_mlp)) / np.sqrt(cfg.d_embed)
+                 for i in range(cfg.n_layers))
+    w_out = tuple(jax.random.normal(ks[2 * i + 1], (cfg.d_mlp, cfg.d_embed)) / np.sqrt(cfg.d_mlp)
+                  for i in range(cfg.n_layers))
+    return ResidMLP(W_E=W_E, W_in=w_in, W_out=w_out, feature_probability=cfg.feature_probability)
+
+
+def trainable_filter(target: ResidMLP):
+    return ResidMLP(W_E=False, W_in=tuple(True for _ in target.W_in),
+                    W_out=tuple(True for _ in target.W_out),
+                    feature_probability=target.feature_probability)
+
+
+def monosemantic_baseline(target: ResidMLP) -> float:
+    """MSE of implementing one feature per neuron and dropping the rest:
+    (1 - neurons / features) * p * E[ReLU(x)^2], E[ReLU(x)^2] = 1/6 for x ~ U[-1, 1]."""
+    neurons = sum(w.shape[1] for w in target.W_in)
+    dropped = max(0.0, 1.0 - neurons / target.n_features)
+    return dropped * target.feature_probability / 6.0
+
+
+def check(target: ResidMLP, key=None) -> list[str]:
+    """Read-off MSE must beat the monosemantic baseline (TOYS.md)."""
+    key = jax.random.key(1234) if key is None else key
+    x = target.sample(key, 20000)
+    out = target.forward(x, lambda _, h, W: h @ W)
+    mse = float(jnp.mean(jnp.square(out - target.labels(x))))
+    base = monosemantic_baseline(target)
+    return [] if mse < base else [
+        f"read-off MSE {mse:.3e} is not below the monosemantic baseline {base:.3e}"]
+
+
+def state_dict(target: ResidMLP) -> dict[str, jax.Array]:
+    sd = {"W_E": target.W_E}
+    sd.update(target.site_weights())
+    return sd
+
+
+def from_state_dict(cfg: ResidMLPConfig, sd) -> ResidMLP:
+    L = cfg.n_layers
+    return ResidMLP(W_E=jnp.asarray(sd["W_E"]),
+                    W_in=tuple(jnp.asarray(sd[f"layers.{i}.mlp_in"]) for i in range(L)),
+                    W_out=tuple(jnp.asarray(sd[f"layers.{i}.mlp_out"]) for i in range(L)),
+                    feature_probability=cfg.feature_probability)
