@@ -186,6 +186,18 @@ def test_stdlib_corpus_shortcut(tmp_path):
     assert main(["--input", "stdlib", "--output", out, "--seq_len", "128",
                  "--max_tokens", "5000"]) == 0
     store = TokenStore.open(out)
-    assert store.n_rows == 5000 // 128 and store.meta["n_tokens"] <= 5001
+    assert store.n_rows == 5000 // 128 and store.meta["n_tokens"] == 5000
     first = open(files[0], "rb").read()[:128]
     assert bytes(store.read_rows(np.array([0]))[0, :len(first)].astype(np.uint8)) == first
+
+
+def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys):
+    glob_ = _write_docs(tmp_path)
+    out = str(tmp_path / "store")
+    assert main(["--input", glob_, "--output", out]) == 2
+    assert "--seq_len" in capsys.readouterr().err
+    assert main(["--input", glob_, "--output", out, "--seq_len", "8",
+                 "--tokenizer", str(tmp_path / "missing.json")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+    assert main(["--input", glob_, "--output", out, "--seq_len", "8", "--vocab_size", "9"]) == 2
+    assert "parquet input only" in capsys.readouterr().err

@@ -26,7 +26,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from ppgd_tpu.data.tokens import TokenStoreWriter, _fs
+from ppgd_tpu.data.tokens import TokenStoreWriter, fs_for
 
 BYTE_EOS = 256
 # 256 bytes + EOS, padded to a multiple of 128 (the TPU lane width) so embedding and
@@ -101,15 +101,16 @@ def expand_inputs(patterns: list[str]) -> list[str]:
             files.update(f for f in glob.glob(stdlib_glob(), recursive=True)
                          if "site-packages" not in f and "dist-packages" not in f)
         elif pattern.startswith("gs://"):
-            fs, _ = _fs(pattern)
-            files.update("gs://" + f for f in fs.glob(pattern) if fs.isfile(f))
+            fs, _ = fs_for(pattern)
+            files.update("gs://" + f for f, info in fs.glob(pattern, detail=True).items()
+                         if info["type"] == "file")
         else:
             files.update(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
     return sorted(files)
 
 
 def _read_bytes(path: str) -> bytes:
-    fs, p = _fs(path)
+    fs, p = fs_for(path)
     return fs.cat_file(p)
 
 
@@ -118,19 +119,19 @@ def _parquet_documents(path: str) -> Iterator[np.ndarray]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    fs, p = _fs(path)
+    fs, p = fs_for(path)
     with fs.open(p, "rb") as f:
         try:
             pf = pq.ParquetFile(f)
         except pa.ArrowException as e:
             raise TokenizeError(f"{path}: not a readable parquet file ({e})") from e
-        field = pf.schema_arrow.field("input_ids") if "input_ids" in pf.schema_arrow.names \
-            else None
-        if field is None or not (pa.types.is_list(field.type) or
-                                 pa.types.is_large_list(field.type)) \
-                or not pa.types.is_integer(field.type.value_type):
+        schema = pf.schema_arrow
+        kind = schema.field("input_ids").type if "input_ids" in schema.names else None
+        if not (kind is not None
+                and (pa.types.is_list(kind) or pa.types.is_large_list(kind))
+                and pa.types.is_integer(kind.value_type)):
             raise TokenizeError(f"{path}: parquet input needs an `input_ids` column of integer "
-                                f"lists; columns are {pf.schema_arrow}")
+                                f"lists; columns are {schema}")
         for batch in pf.iter_batches(batch_size=1024, columns=["input_ids"]):
             col = batch.column(0)
             lengths = col.value_lengths().fill_null(0).to_numpy()
@@ -201,12 +202,11 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
 
     bar = tqdm(total=len(files), unit="file", disable=not sys.stderr.isatty())
     for ids in documents(bar):
-        if max_tokens is not None:
-            if writer.n_tokens >= max_tokens:
-                break
-            ids = ids[:max_tokens - writer.n_tokens]
+        room = max_tokens - writer.n_tokens if max_tokens is not None else ids.size + 1
+        if room <= 0:
+            break
         try:
-            writer.add_document(ids)
+            writer.add_document(ids[:room], ended=ids.size < room)
         except ValueError as e:
             raise TokenizeError(str(e)) from e
         bar.set_postfix(tokens=writer.n_tokens, rows=writer.n_rows, refresh=False)
@@ -241,7 +241,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seq_len", type=int, required=True, metavar="T",
                         help="tokens per row")
     parser.add_argument("--max_tokens", type=int, default=None, metavar="N",
-                        help="stop after N tokens (separators included)")
+                        help="stop after N tokens (separators included; the document "
+                             "crossing N is cut there, without a separator)")
     parser.add_argument("--vocab_size", type=int, default=None,
                         help="parquet input: vocabulary size (default: largest id + 1)")
     parser.add_argument("--eos_id", type=int, default=None,

@@ -11,7 +11,7 @@ Layout under STORE (a local path or gs://bucket/prefix):
 The array goes through tensorstore's kvstores (`file` or `gcs`; the gcs driver honours
 TENSORSTORE_GCS_HTTP_URL for an emulator); the two small files go through fsspec (gcsfs for
 gs://, which honours STORAGE_EMULATOR_HOST). A gs:// store differs from a local one only in
-`_kvstore` and in the fsspec filesystem `_fs` picks.
+`_kvstore` and in the fsspec filesystem `fs_for` picks.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _kvstore(path: str) -> dict:
     return {"driver": "file", "path": os.path.abspath(path) + "/"}
 
 
-def _fs(path: str):
+def fs_for(path: str):
     """(fsspec filesystem, path inside it) for the small JSON files."""
     if path.startswith("gs://"):
         # gcsfs probes hierarchical-namespace buckets for ~60 s unless told not to.
@@ -73,7 +73,7 @@ def _fs(path: str):
 
 
 def _write_small(path: str, text: str) -> None:
-    fs, p = _fs(path)
+    fs, p = fs_for(path)
     fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
     fs.pipe_file(p, text.encode())
 
@@ -92,7 +92,8 @@ class TokenStore:
 
     @classmethod
     def open(cls, path: str) -> "TokenStore":
-        fs, p = _fs(path)
+        fs, p = fs_for(path)
+        fs.invalidate_cache()  # gcsfs caches listings; a rewrite may have happened since
         if not fs.exists(_join(p, MARKER_FILE)):
             if fs.exists(_join(p, META_FILE)) or fs.exists(_join(p, ARRAY_DIR)):
                 raise IncompleteStoreError(
@@ -167,7 +168,8 @@ class TokenStoreWriter:
         self.n_documents = 0
         self.n_tokens = 0  # consumed, separators included
 
-    def add_document(self, ids: np.ndarray) -> None:
+    def add_document(self, ids: np.ndarray, *, ended: bool = True) -> None:
+        """Append one document; `ended=False` (a document cut short) omits the separator."""
         ids = np.asarray(ids).reshape(-1)
         if ids.size == 0:
             return
@@ -177,7 +179,7 @@ class TokenStoreWriter:
                              f"[0, {self.vocab_size}) (set --vocab_size)")
         self.n_documents += 1
         self._append(ids.astype(self.dtype))
-        if self.eos_id is not None:
+        if ended and self.eos_id is not None:
             self._append(np.array([self.eos_id], self.dtype))
 
     def _append(self, ids: np.ndarray) -> None:
@@ -205,7 +207,7 @@ class TokenStoreWriter:
         self._fill = rest
 
     def _create(self) -> ts.TensorStore:
-        fs, p = _fs(self.path)
+        fs, p = fs_for(self.path)
         if fs.exists(_join(p, MARKER_FILE)):
             fs.rm_file(_join(p, MARKER_FILE))
         inner = [{"name": "bytes", "configuration": {"endian": "little"}},
