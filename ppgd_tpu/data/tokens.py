@@ -62,7 +62,7 @@ def _kvstore(path: str) -> dict:
 
 
 def fs_for(path: str):
-    """(fsspec filesystem, path inside it) for the small JSON files."""
+    """(fsspec filesystem, path inside it): small store files and tokenize inputs."""
     if path.startswith("gs://"):
         # gcsfs probes hierarchical-namespace buckets for ~60 s unless told not to.
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
