@@ -1,0 +1,250 @@
+"""The LM token store: one zarr3 array `[n_rows, seq_len]` of packed token ids, written once
+by `ppgd-tpu tokenize` and range-read by every host for its own rows only.
+
+Layout under STORE (a local path or gs://bucket/prefix):
+
+    tokens/       zarr3 array (tensorstore), sharded: one shard file per block of rows,
+                  one inner chunk per row, so a random row costs one byte-range read
+    meta.json     vocab_size, seq_len, n_rows, dtype, eos_id, tokenizer, source, counts
+    COMPLETE      written last; a store without it is refused ("re-run tokenize")
+
+The array goes through tensorstore's kvstores (`file` or `gcs`; the gcs driver honours
+TENSORSTORE_GCS_HTTP_URL for an emulator); the two small files go through fsspec (gcsfs for
+gs://, which honours STORAGE_EMULATOR_HOST). A gs:// store differs from a local one only in
+`_kvstore` and in the fsspec filesystem `fs_for` picks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import tensorstore as ts
+
+FORMAT = "ppgd_tpu.token_store"
+FORMAT_VERSION = 1
+ARRAY_DIR = "tokens"
+META_FILE = "meta.json"
+MARKER_FILE = "COMPLETE"
+# A shard (one storage object) holds about this many bytes of rows; the writer buffers one.
+SHARD_BYTES = 32 * 2**20
+
+
+class IncompleteStoreError(FileNotFoundError):
+    """The path holds no finished token store (missing, or a tokenize run that did not end)."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned integer dtype that holds ids in [0, vocab_size)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    for dt in (np.uint16, np.uint32):
+        if vocab_size - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    raise ValueError(
+        f"vocab_size {vocab_size} does not fit the token store (at most 2**32 ids, uint32)")
+
+
+def _join(path: str, name: str) -> str:
+    return path.rstrip("/") + "/" + name
+
+
+def _kvstore(path: str) -> dict:
+    """tensorstore kvstore spec for a local directory or gs://bucket/prefix."""
+    if path.startswith("gs://"):
+        bucket, _, prefix = path[len("gs://"):].partition("/")
+        if not bucket:
+            raise ValueError(f"token store path {path!r} names no bucket (gs://BUCKET/PREFIX)")
+        return {"driver": "gcs", "bucket": bucket, "path": prefix.strip("/") + "/"}
+    return {"driver": "file", "path": os.path.abspath(path) + "/"}
+
+
+def fs_for(path: str):
+    """(fsspec filesystem, path inside it): small store files and tokenize inputs."""
+    if path.startswith("gs://"):
+        # gcsfs probes hierarchical-namespace buckets for ~60 s unless told not to.
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    import fsspec
+
+    fs, inner = fsspec.core.url_to_fs(path)
+    return fs, inner
+
+
+def _write_small(path: str, text: str) -> None:
+    fs, p = fs_for(path)
+    fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(p, text.encode())
+
+
+def _array_spec(path: str) -> dict:
+    return {"driver": "zarr3", "kvstore": _kvstore(_join(path, ARRAY_DIR))}
+
+
+@dataclass(frozen=True)
+class TokenStore:
+    """A finished token store, opened read-only. Rows are read by id, never iterated."""
+
+    path: str
+    meta: dict
+    array: ts.TensorStore
+
+    @classmethod
+    def open(cls, path: str) -> "TokenStore":
+        fs, p = fs_for(path)
+        fs.invalidate_cache()  # gcsfs caches listings; a rewrite may have happened since
+        if not fs.exists(_join(p, MARKER_FILE)):
+            if fs.exists(_join(p, META_FILE)) or fs.exists(_join(p, ARRAY_DIR)):
+                raise IncompleteStoreError(
+                    f"incomplete token store at {path}: re-run tokenize")
+            raise IncompleteStoreError(f"no token store at {path}: run `ppgd-tpu tokenize`")
+        meta = json.loads(fs.cat_file(_join(p, META_FILE)))
+        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{_join(path, META_FILE)}: format {meta.get('format')!r} version "
+                f"{meta.get('version')!r}, expected {FORMAT!r} version {FORMAT_VERSION}")
+        array = ts.open(_array_spec(path), open=True, read=True).result()
+        want = (meta["n_rows"], meta["seq_len"])
+        if tuple(array.shape) != want or array.dtype.numpy_dtype != np.dtype(meta["dtype"]):
+            raise ValueError(
+                f"token store at {path}: array is {tuple(array.shape)} "
+                f"{array.dtype.numpy_dtype}, meta.json says {want} {meta['dtype']}")
+        return cls(path, meta, array)
+
+    @property
+    def n_rows(self) -> int:
+        return self.meta["n_rows"]
+
+    @property
+    def seq_len(self) -> int:
+        return self.meta["seq_len"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.meta["eos_id"]
+
+    def read_rows(self, row_ids: np.ndarray) -> np.ndarray:
+        """Rows `row_ids` (any order, repeats allowed) as `[len(row_ids), seq_len]`, in that
+        order. One batched tensorstore read: the shards fetch only the rows asked for."""
+        row_ids = np.asarray(row_ids, dtype=np.int64).reshape(-1)
+        if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= self.n_rows):
+            raise IndexError(
+                f"row ids must lie in [0, {self.n_rows}) for the store at {self.path}; "
+                f"got min {row_ids.min()}, max {row_ids.max()}")
+        unique, inverse = np.unique(row_ids, return_inverse=True)
+        return self.array[unique].read().result()[inverse]
+
+
+class TokenStoreWriter:
+    """Packs documents into rows of `seq_len` and streams them to a new store.
+
+    Each document is followed by `eos_id` (when given) and the stream is cut into rows; the
+    last partial row is dropped (`finish` reports how many tokens). Memory stays at one
+    shard of rows: the store is created lazily on the first full shard, resized as shards
+    are appended, and marked complete only by `finish`. Any existing store at the path is
+    first made incomplete, so a crashed rewrite is never read as finished.
+    """
+
+    def __init__(self, path: str, *, seq_len: int, vocab_size: int, eos_id: int | None,
+                 info: dict):
+        if seq_len < 2:
+            raise ValueError(f"--seq_len must be >= 2 (a row needs an input and a next "
+                             f"token), got {seq_len}")
+        self.dtype = token_dtype(vocab_size)
+        if eos_id is not None and not 0 <= eos_id < vocab_size:
+            raise ValueError(f"eos id {eos_id} outside the vocabulary [0, {vocab_size})")
+        self.path, self.seq_len, self.vocab_size, self.eos_id = path, seq_len, vocab_size, eos_id
+        self.info = dict(info)
+        self.rows_per_shard = max(1, SHARD_BYTES // (seq_len * self.dtype.itemsize))
+        self._buf = np.empty(self.rows_per_shard * seq_len, self.dtype)
+        self._fill = 0
+        self._array: ts.TensorStore | None = None
+        self.n_rows = 0
+        self.n_documents = 0
+        self.n_tokens = 0  # consumed, separators included
+
+    def add_document(self, ids: np.ndarray, *, ended: bool = True) -> None:
+        """Append one document; `ended=False` (a document cut short) omits the separator."""
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} outside the vocabulary "
+                             f"[0, {self.vocab_size}) (set --vocab_size)")
+        self.n_documents += 1
+        self._append(ids.astype(self.dtype))
+        if ended and self.eos_id is not None:
+            self._append(np.array([self.eos_id], self.dtype))
+
+    def _append(self, ids: np.ndarray) -> None:
+        self.n_tokens += ids.size
+        while ids.size:
+            take = min(ids.size, self._buf.size - self._fill)
+            self._buf[self._fill:self._fill + take] = ids[:take]
+            self._fill += take
+            ids = ids[take:]
+            if self._fill == self._buf.size:
+                self._flush_rows(self.rows_per_shard)
+
+    def _flush_rows(self, n: int) -> None:
+        if n == 0:
+            return
+        if self._array is None:
+            self._array = self._create()
+        rows = self._buf[:n * self.seq_len].reshape(n, self.seq_len)
+        self._array = self._array.resize(exclusive_max=[self.n_rows + n, None],
+                                         expand_only=True, resize_metadata_only=True).result()
+        self._array[self.n_rows:self.n_rows + n].write(rows).result()
+        self.n_rows += n
+        rest = self._fill - n * self.seq_len
+        self._buf[:rest] = self._buf[n * self.seq_len:self._fill]
+        self._fill = rest
+
+    def _create(self) -> ts.TensorStore:
+        fs, p = fs_for(self.path)
+        if fs.exists(_join(p, MARKER_FILE)):
+            fs.rm_file(_join(p, MARKER_FILE))
+        inner = [{"name": "bytes", "configuration": {"endian": "little"}},
+                 {"name": "zstd", "configuration": {"level": 3}}]
+        index = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+        spec = _array_spec(self.path) | {
+            "metadata": {
+                "shape": [0, self.seq_len],
+                "data_type": self.dtype.name,
+                "dimension_names": ["row", "position"],
+                "chunk_grid": {"name": "regular", "configuration": {
+                    "chunk_shape": [self.rows_per_shard, self.seq_len]}},
+                "codecs": [{"name": "sharding_indexed", "configuration": {
+                    "chunk_shape": [1, self.seq_len], "codecs": inner,
+                    "index_codecs": index, "index_location": "end"}}],
+            },
+            "create": True, "delete_existing": True,
+        }
+        return ts.open(spec).result()
+
+    def finish(self) -> dict:
+        """Write the last full rows, meta.json, then the COMPLETE marker; returns the meta.
+        Refuses a corpus shorter than one row."""
+        full = self._fill // self.seq_len
+        dropped = self._fill - full * self.seq_len
+        if self.n_rows + full == 0:
+            raise ValueError(
+                f"the corpus has {self.n_tokens} tokens, fewer than one row of --seq_len "
+                f"{self.seq_len}: lower --seq_len or add input")
+        self._flush_rows(full)
+        meta = {
+            "format": FORMAT, "version": FORMAT_VERSION,
+            "n_rows": self.n_rows, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
+            "dtype": self.dtype.name, "eos_id": self.eos_id,
+            "n_documents": self.n_documents, "n_tokens": self.n_tokens,
+            "dropped_tokens": dropped,
+        } | self.info
+        _write_small(_join(self.path, META_FILE), json.dumps(meta, indent=1) + "\n")
+        _write_small(_join(self.path, MARKER_FILE), "")
+        return meta
