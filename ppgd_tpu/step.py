@@ -62,7 +62,7 @@ class Decomposer:
         self.C = comp_lib.resolve_sites(cfg.decomp.sites, tuple(weights))
         self.sites = tuple(self.C)  # canonical order; dict order inside jit is sorted
         self.d_in = {s: weights[s].shape[0] for s in self.sites}
-        self.leading = tuple(batch_shape[:-1]) if len(batch_shape) > 1 else tuple(batch_shape)
+        self.leading = target.leading_shape(tuple(batch_shape))
         self.steps = cfg.decomp.steps
         self.opt = adamw(cfg.decomp.weight_decay)
         self.dtype = jnp.bfloat16 if cfg.decomp.compute_dtype == "bfloat16" else jnp.float32
@@ -109,8 +109,7 @@ class Decomposer:
 
     def recon(self, target: Target, batch, components, masks: dict[str, SiteMask], clean):
         """One masked forward in compute dtype against the clean output; fp32 divergence."""
-        out = target.masked_forward(batch, components, masks)
-        return losses.mse(out, clean)
+        return target.divergence(target.masked_forward(batch, components, masks), clean)
 
     def ppgd_masks(self, lower, sources) -> dict[str, SiteMask]:
         """[S12] all sites live, routed everywhere, masks from the adversary's sources."""

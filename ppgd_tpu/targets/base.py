@@ -19,6 +19,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ppgd_tpu.decomp.divergence import mse
+
 SiteFn = Callable[[str, jax.Array, jax.Array], jax.Array]
 
 
@@ -88,6 +90,14 @@ class Target(eqx.Module):
             return site_out(x, W, components.V[name], components.U[name], masks[name])
 
         return self.forward(inputs, fn)
+
+    def divergence(self, masked, clean):
+        """Recon divergence (SPEC 4): MSE for toys; sequence targets override with KL [S25]."""
+        return mse(masked, clean)
+
+    def leading_shape(self, batch_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The leading axes of CI and masks: [B] for position-less toys ([B, n] inputs)."""
+        return tuple(batch_shape[:-1])
 
     def weight_deltas(self, components) -> dict[str, jax.Array]:
         return {s: W - components.V[s] @ components.U[s] for s, W in self.site_weights().items()}
