@@ -1,0 +1,10 @@
+"""Checkpoint storage [C1]-[C4]: flat `{leaf path: array}` state <-> RUN_DIR/ckpts/<step>/."""
+
+from ppgd_tpu.checkpoint.audit import digest, ls, verify
+from ppgd_tpu.checkpoint.checkpointer import Checkpointer, Restored, restore, save
+from ppgd_tpu.checkpoint.manifest import PARTS, latest_step, list_steps, retain
+
+__all__ = [
+    "Checkpointer", "PARTS", "Restored", "digest", "latest_step", "list_steps", "ls",
+    "restore", "retain", "save", "verify",
+]

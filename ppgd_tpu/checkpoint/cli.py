@@ -1,0 +1,61 @@
+"""`ppgd-tpu ckpt ls|digest|verify RUN_DIR`: inspect checkpoints on local disk or gs://.
+
+Exit codes: 0 fine, 1 `verify` found damage, 2 bad usage or path (message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ppgd_tpu.checkpoint import audit
+from ppgd_tpu.checkpoint import manifest as mf
+from ppgd_tpu.checkpoint import storage
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ppgd-tpu ckpt", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("ls", help="list steps (committed or not) and their size").add_argument("run_dir")
+    d = sub.add_parser("digest", help="per-leaf sha256 of the logical arrays + overall digest")
+    d.add_argument("run_dir")
+    d.add_argument("--step", type=int, default=None, help="default: latest committed step")
+    sub.add_parser("verify", help="read every checkpoint back and report damage").add_argument("run_dir")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse already printed the usage error
+        return int(e.code or 0)
+    try:
+        run_dir = storage.normalize(args.run_dir)
+        if not storage.exists(mf.ckpts_dir(run_dir)):
+            raise FileNotFoundError(f"{mf.ckpts_dir(run_dir)} does not exist; is {args.run_dir!r} a run directory?")
+        if args.cmd == "ls":
+            print(f"{'step':>10}  {'state':<10}  {'bytes':>14}  path")
+            for e in audit.ls(run_dir):
+                state = "committed" if e.committed else "INCOMPLETE"
+                print(f"{e.step:>10}  {state:<10}  {e.bytes:>14}  {e.path}")
+            return 0
+        if args.cmd == "digest":
+            d = audit.digest(run_dir, args.step)
+            for name, h in d.leaves.items():
+                print(f"{h}  {name}")
+            print(f"{d.overall}  step {d.step} overall")
+            return 0
+        report = audit.verify(run_dir)
+        for r in report:
+            status = "DAMAGED" if r.damaged else ("ok" if r.committed else "incomplete")
+            print(f"step {r.step}: {status}")
+            for p in r.problems:
+                print(f"  {p}")
+        return 1 if any(r.damaged for r in report) else 0
+    except (FileNotFoundError, ValueError) as e:
+        print(f"ppgd-tpu ckpt {args.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

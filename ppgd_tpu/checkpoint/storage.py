@@ -1,0 +1,131 @@
+"""Where checkpoint bytes live: a local directory or gs://bucket/path, behind one interface.
+
+Arrays go through tensorstore (`kvstore` gives its spec); the small things -- manifests,
+commit markers, listings, deletion -- go through fsspec (local) or gcsfs (gs://). Both honour
+the GCS emulator: tensorstore reads TENSORSTORE_GCS_HTTP_URL, gcsfs STORAGE_EMULATOR_HOST.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+
+# gcsfs probes for hierarchical-namespace buckets on first use, which stalls ~60 s against an
+# emulator or without network; it must be off before gcsfs is imported.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+_GCS = "gs://"
+
+
+def is_gcs(path: str) -> bool:
+    return path.startswith(_GCS)
+
+
+def normalize(path: str) -> str:
+    """A canonical form of a run path: gs://bucket/p/a/t/h or an absolute local path."""
+    path = os.fspath(path)
+    if not path:
+        raise ValueError("checkpoint path is empty; give a local directory or gs://bucket/path")
+    if is_gcs(path):
+        bucket, _, rest = path[len(_GCS):].partition("/")
+        if not bucket:
+            raise ValueError(f"checkpoint path {path!r} has no bucket; expected gs://bucket/path")
+        rest = posixpath.normpath("/" + rest).lstrip("/")
+        return _GCS + bucket + ("/" + rest if rest else "")
+    if "://" in path:
+        raise ValueError(f"checkpoint path {path!r}: only local paths and gs://bucket/path are supported")
+    return os.path.abspath(path)
+
+
+def join(path: str, *parts: str) -> str:
+    if is_gcs(path):
+        return posixpath.join(path, *parts)
+    return os.path.join(path, *parts)
+
+
+def kvstore(path: str) -> dict:
+    """The tensorstore kvstore spec for a directory (trailing slash: it is a prefix)."""
+    path = normalize(path)
+    if is_gcs(path):
+        bucket, _, rest = path[len(_GCS):].partition("/")
+        return {"driver": "gcs", "bucket": bucket, "path": rest.rstrip("/") + "/"}
+    return {"driver": "file", "path": path.rstrip("/") + "/"}
+
+
+def _fs_and_path(path: str):
+    path = normalize(path)
+    if is_gcs(path):
+        import gcsfs
+
+        # Against the emulator there is nothing to authenticate with; in production gcsfs
+        # finds the default credentials itself.
+        token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
+        fs = gcsfs.GCSFileSystem(token=token, use_listings_cache=False)
+        return fs, path[len(_GCS):]
+    import fsspec
+
+    return fsspec.filesystem("file"), path
+
+
+def exists(path: str) -> bool:
+    fs, p = _fs_and_path(path)
+    return fs.exists(p)
+
+
+def read_bytes(path: str) -> bytes:
+    fs, p = _fs_and_path(path)
+    return fs.cat_file(p)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write a whole small file so that a reader sees all of it or nothing.
+
+    A GCS object upload is atomic; on local disk we write a sibling temp file and rename.
+    """
+    fs, p = _fs_and_path(path)
+    if is_gcs(normalize(path)):
+        fs.pipe_file(p, data)
+        return
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    tmp = f"{p}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+def list_dirs(path: str) -> list[str]:
+    """Names (not paths) of the immediate sub-directories of `path`; [] if it does not exist."""
+    fs, p = _fs_and_path(path)
+    if not fs.exists(p):
+        return []
+    return sorted(
+        posixpath.basename(e["name"].rstrip("/"))
+        for e in fs.ls(p, detail=True)
+        if e["type"] == "directory"
+    )
+
+
+def list_files(path: str) -> dict[str, int]:
+    """Every file below `path`, as {path relative to `path`: size in bytes}."""
+    fs, p = _fs_and_path(path)
+    if not fs.exists(p):
+        return {}
+    root = p.rstrip("/") + "/"
+    return {name[len(root):]: int(info["size"]) for name, info in fs.find(p, detail=True).items()}
+
+
+def remove(path: str) -> None:
+    """Delete one file; absent is fine."""
+    fs, p = _fs_and_path(path)
+    if fs.exists(p):
+        fs.rm_file(p)
+
+
+def remove_tree(path: str) -> None:
+    """Delete a directory and everything below it; absent is fine."""
+    fs, p = _fs_and_path(path)
+    if fs.exists(p):
+        fs.rm(p, recursive=True)

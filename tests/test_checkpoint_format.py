@@ -1,0 +1,269 @@
+"""Checkpoint storage in one process: round trip, commit marker, retention, async save,
+digest, verify and the CLI, on local disk and on gs:// (real fake-gcs-server) [C1]-[C4]."""
+
+import json
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ppgd_tpu.checkpoint import arrays as arrays_io
+from ppgd_tpu.checkpoint import audit, cli, storage
+from ppgd_tpu.checkpoint import manifest as mf
+from ppgd_tpu.checkpoint.checkpointer import Checkpointer, restore, save
+
+
+def make_state(seed: int = 0) -> dict:
+    """Every dtype a train state holds, with bit patterns that a lossy path would change."""
+    rng = np.random.default_rng(seed)
+    f32 = rng.standard_normal((6, 8)).astype(np.float32)
+    f32[0, :3] = [-0.0, np.inf, np.nan]
+    return {
+        "decomposition/components/linear1/V": jnp.asarray(f32),
+        "decomposition/components/linear1/U": jnp.asarray(rng.standard_normal((8, 4)), jnp.bfloat16),
+        "decomposition/ci_fn/layers/0/b": jnp.zeros((5,), jnp.float32),  # == fill value
+        "training/opt_components/mu/linear1/V": jnp.asarray(rng.standard_normal((6, 8)), jnp.float32),
+        "training/adversary/key": jax.random.key_data(jax.random.key(seed)),  # uint32
+        "training/adversary/count": jnp.int32(-7),  # 0-d
+        "training/replay/ema": jnp.float32(0.125),  # 0-d float
+        "training/step": np.int32(1234),  # host numpy leaf
+    }
+
+
+def bits(x) -> bytes:
+    x = np.asarray(x)
+    return x.dtype.str.encode() + str(x.shape).encode() + np.ascontiguousarray(x).tobytes()
+
+
+def assert_bitwise(expected: dict, got: dict) -> None:
+    assert sorted(got) == sorted(expected)
+    for k in expected:
+        assert bits(got[k]) == bits(expected[k]), k
+
+
+@pytest.fixture(params=["local", "gcs"])
+def run_dir(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run")
+    return request.getfixturevalue("gcs_emulator").run_dir()
+
+
+def files_of(run_dir: str, step: int) -> dict[str, int]:
+    return storage.list_files(mf.step_dir(run_dir, step))
+
+
+def test_roundtrip_bitwise_C1_C2(run_dir):
+    state = make_state()
+    with Checkpointer(run_dir, config_hash="cfg123") as ckpt:
+        ckpt.save(10, state, meta={"note": "hello"})
+
+    host = restore(run_dir)
+    assert host.step == 10
+    assert_bitwise(state, host.arrays)
+    assert host.manifest.config_hash == "cfg123" and host.manifest.meta == {"note": "hello"}
+    assert host.manifest.leaves["decomposition/components/linear1/U"].dtype == "bfloat16"
+    assert host.manifest.leaves["training/adversary/count"].shape == ()
+
+    device = jax.devices()[0]
+    shardings = {k: jax.sharding.SingleDeviceSharding(device) for k in state}
+    placed = restore(run_dir, shardings=shardings).arrays
+    assert all(isinstance(v, jax.Array) and v.sharding == shardings[k] for k, v in placed.items())
+    assert_bitwise(state, placed)
+
+    # [C2] consumers read only the decomposition, to host numpy, with no mesh.
+    decomp = restore(run_dir, parts=("decomposition",)).arrays
+    assert sorted(decomp) == sorted(k for k in state if k.startswith("decomposition/"))
+    assert all(isinstance(v, np.ndarray) for v in decomp.values())
+
+    sdir = mf.step_dir(run_dir, 10)
+    assert sorted(storage.list_dirs(sdir)) == ["decomposition", "training"]
+    manifest = json.loads(storage.read_bytes(storage.join(sdir, "manifest.json")))
+    assert manifest["format_version"] == mf.FORMAT_VERSION and manifest["step"] == 10
+
+
+def test_incomplete_step_ignored_and_reported_C4(run_dir, caplog):
+    state = make_state()
+    save(run_dir, 1, state)
+    save(run_dir, 2, make_state(1))
+    save(run_dir, 3, make_state(2))
+    # Step 3 as a dead writer leaves it: no commit marker and a truncated chunk.
+    sdir3 = mf.step_dir(run_dir, 3)
+    storage.remove(storage.join(sdir3, mf.COMMITTED))
+    chunk = storage.join(sdir3, "decomposition/components/linear1/V/c/0/0")
+    storage.write_bytes(chunk, storage.read_bytes(chunk)[:10])
+
+    with caplog.at_level(logging.WARNING):
+        assert mf.latest_step(run_dir) == 2
+    assert "[3]" in caplog.text and "incomplete" in caplog.text
+    restored = restore(run_dir)
+    assert restored.step == 2
+    assert_bitwise(make_state(1), restored.arrays)
+    with pytest.raises(FileNotFoundError, match="step 3 .* incomplete"):
+        restore(run_dir, step=3)
+
+    listing = audit.ls(run_dir)
+    assert [(e.step, e.committed) for e in listing] == [(1, True), (2, True), (3, False)]
+    assert all(e.bytes > 0 for e in listing)
+    report = {r.step: r for r in audit.verify(run_dir)}
+    assert not report[3].committed and not report[3].damaged and report[3].problems
+    assert not report[2].problems
+
+
+def test_retention_keeps_last_n_and_every_C4(tmp_path):
+    run_dir = str(tmp_path / "run")
+    state = make_state()
+    with Checkpointer(run_dir, keep_last_n=2, keep_every=4) as ckpt:
+        for step in range(1, 10):
+            ckpt.save(step, state)
+    assert [e.step for e in mf.list_steps(run_dir)] == [4, 8, 9]
+
+
+def test_retention_spares_incomplete_until_newer_commit_C4(tmp_path, monkeypatch):
+    run_dir = str(tmp_path / "run")
+    state = make_state()
+    with Checkpointer(run_dir, keep_last_n=1) as ckpt:
+        ckpt.save(1, state)
+        ckpt.save(2, state)
+    # A save whose write dies: nothing older may be deleted, and the error surfaces on the
+    # next call.
+    real_write = arrays_io.write_leaves
+
+    def failing_write(root, leaves):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(arrays_io, "write_leaves", failing_write)
+    ckpt = Checkpointer(run_dir, keep_last_n=1)
+    ckpt.save(3, state)
+    with pytest.raises(RuntimeError, match="step 3") as err:
+        ckpt.save(4, state)
+    assert "disk on fire" in str(err.value.__cause__)
+    assert [(e.step, e.committed) for e in mf.list_steps(run_dir)] == [(2, True), (3, False)]
+    assert mf.retain(run_dir, keep_last_n=1) == []  # 3 is newer than the newest commit
+
+    monkeypatch.setattr(arrays_io, "write_leaves", real_write)
+    ckpt.save(5, state)
+    ckpt.close()
+    assert [(e.step, e.committed) for e in mf.list_steps(run_dir)] == [(5, True)]
+
+
+def test_save_blocks_only_for_host_copy_and_one_in_flight(tmp_path, monkeypatch):
+    """save() returns while the write is held back; the snapshot is a host copy, so deleting
+    (donating) the device arrays afterwards cannot change what is written; a second save
+    waits for the first to commit."""
+    run_dir = str(tmp_path / "run")
+    release = threading.Event()
+    real_write = arrays_io.write_leaves
+
+    def held_write(root, leaves):
+        assert release.wait(60)
+        real_write(root, leaves)
+
+    monkeypatch.setattr(arrays_io, "write_leaves", held_write)
+    expected = make_state()
+    state = make_state()
+    ckpt = Checkpointer(run_dir, keep_last_n=None)
+    ckpt.save(1, state)
+    assert not mf.is_committed(mf.step_dir(run_dir, 1))
+    for v in state.values():
+        if isinstance(v, jax.Array):
+            v.delete()
+    release.set()
+    ckpt.save(2, make_state(1))
+    assert mf.is_committed(mf.step_dir(run_dir, 1))  # the first finished before the second began
+    ckpt.close()
+    assert_bitwise(expected, restore(run_dir, step=1).arrays)
+    assert_bitwise(make_state(1), restore(run_dir, step=2).arrays)
+
+
+def test_resave_of_committed_step_is_skipped_C3(tmp_path):
+    run_dir = str(tmp_path / "run")
+    save(run_dir, 1, make_state(0))
+    save(run_dir, 1, make_state(1))
+    assert_bitwise(make_state(0), restore(run_dir).arrays)
+
+
+def test_digest_is_of_logical_bytes(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    state = make_state()
+    save(a, 1, state)
+    # The same values as host numpy: different chunk files' origin, same logical state.
+    save(b, 7, {k: np.asarray(v) for k, v in state.items()})
+    da, db = audit.digest(a), audit.digest(b)
+    assert da.overall == db.overall and da.leaves == db.leaves and db.step == 7
+    changed = dict(state)
+    changed["training/replay/ema"] = jnp.float32(np.nextafter(np.float32(0.125), np.float32(1)))
+    save(a, 2, changed)
+    d2 = audit.digest(a, step=2)
+    assert d2.overall != da.overall
+    assert [k for k in d2.leaves if d2.leaves[k] != da.leaves[k]] == ["training/replay/ema"]
+
+
+def test_verify_finds_damage(run_dir, capsys):
+    save(run_dir, 1, make_state())
+    assert cli.main(["verify", run_dir]) == 0
+    sdir = mf.step_dir(run_dir, 1)
+    v = storage.join(sdir, "decomposition/components/linear1/V/c/0/0")
+    storage.remove(v)  # missing chunk (would silently read as zeros)
+    u = storage.join(sdir, "decomposition/components/linear1/U/c/0/0")
+    storage.write_bytes(u, storage.read_bytes(u)[:-3])  # truncated chunk
+    m = storage.join(sdir, "training/opt_components/mu/linear1/V/c/0/0")
+    raw = bytearray(storage.read_bytes(m))
+    raw[5] ^= 0x01  # one flipped bit
+    storage.write_bytes(m, bytes(raw))
+    meta = storage.join(sdir, "training/step/zarr.json")
+    zarr = json.loads(storage.read_bytes(meta))
+    zarr["shape"] = [2]
+    zarr["chunk_grid"]["configuration"]["chunk_shape"] = [2]
+    storage.write_bytes(meta, json.dumps(zarr).encode())  # wrong shape
+
+    [report] = audit.verify(run_dir)
+    assert report.damaged
+    text = "\n".join(report.problems)
+    assert "decomposition/components/linear1/V: missing chunk c/0/0" in text
+    for leaf in ["decomposition/components/linear1/U", "training/opt_components/mu/linear1/V", "training/step"]:
+        assert f"{leaf}: unreadable" in text, leaf
+    assert "ci_fn" not in text and "adversary" not in text
+
+    capsys.readouterr()
+    assert cli.main(["verify", run_dir]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+
+
+def test_cli_ls_digest_and_bad_paths(run_dir, capsys):
+    save(run_dir, 3, make_state())
+    assert cli.main(["ls", run_dir]) == 0
+    out = capsys.readouterr().out
+    assert "committed" in out and mf.step_dir(run_dir, 3) in out
+    assert cli.main(["digest", run_dir, "--step", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"{audit.digest(run_dir).overall}  step 3 overall"
+    assert len(out) == len(make_state()) + 1
+
+    for bad in [run_dir + "/nothing-here", "s3://bucket/run", "gs:///run"]:
+        assert cli.main(["ls", bad]) == 2
+        assert "ppgd-tpu ckpt ls:" in capsys.readouterr().err
+    assert cli.main(["digest", run_dir, "--step", "4"]) == 2
+    assert "step 4" in capsys.readouterr().err
+    assert cli.main(["frobnicate", run_dir]) == 2
+
+
+def test_bad_leaves_are_refused_by_name(tmp_path):
+    run_dir = str(tmp_path / "run")
+    x = jnp.zeros((2,))
+    with pytest.raises(ValueError, match="'components/V' must start with one of"):
+        save(run_dir, 1, {"components/V": x})
+    with pytest.raises(ValueError, match="'training/a' is a prefix of leaf path 'training/a/b'"):
+        save(run_dir, 1, {"training/a": x, "training/a/b": x})
+    with pytest.raises(ValueError, match=r"\['..'\]"):
+        save(run_dir, 1, {"training/../x": x})
+    with pytest.raises(TypeError, match="'training/key'.*key_data"):
+        save(run_dir, 1, {"training/key": jax.random.key(0)})
+    save(run_dir, 1, {"training/a": x, "decomposition/b": x})
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(ValueError, match=r"missing \['training/a'\].*not in checkpoint \['training/zz'\]"):
+        restore(run_dir, shardings={"decomposition/b": sharding, "training/zz": sharding})
+    with pytest.raises(ValueError, match="unknown checkpoint part"):
+        restore(run_dir, parts=("decomp",))
