@@ -82,6 +82,8 @@ class CIFnConfig:
     kind: Literal["per_component_mlp", "per_site_mlp", "global_mlp"] = _f(
         "per_component_mlp", "CI function family (SPEC 3)")
     hidden: int = _f(16, "hidden width of the CI MLPs", lo=1)
+    detach_inputs: bool = _f(False, "per_component_mlp: stop CI gradients into V (the SPD "
+                             "reference lets them through; replay modes need true)")
 
 
 @dataclass(frozen=True)
@@ -402,6 +404,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"data.replay_ci_update: {cfg.data.replay_ci_update!r} needs "
             "data.train_batch_replay >= 2 (with k = 1 every step is a full step; use 'every')")
+    if (cfg.data.replay_ci_update != "every" and cfg.decomp.ci_fn.kind == "per_component_mlp"
+            and not cfg.decomp.ci_fn.detach_inputs):
+        raise ConfigError(
+            "decomp.ci_fn.detach_inputs: must be true with data.replay_ci_update = "
+            f"{cfg.data.replay_ci_update!r}: a replayed envelope is a constant, so the CI path "
+            "may not carry gradient into the components [W3]")
     if cfg.decomp.steps % cfg.data.train_batch_replay:
         raise ConfigError(
             f"decomp.steps: {cfg.decomp.steps} must be a multiple of data.train_batch_replay "

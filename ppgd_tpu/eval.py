@@ -74,7 +74,8 @@ def identity_ci_error(ci: np.ndarray, tol: float) -> int:
 
 
 def mmcs(V: np.ndarray, U: np.ndarray, W: np.ndarray) -> float:
-    """Mean over rows f of W of max over c of cos(V[f, c] U[c, :], W[f, :])."""
+    """Mean over rows f of W of max over c of cos(V[f, c] U[c, :], W[f, :]) (TOYS.md); for a
+    site whose features index columns, call it on the transposes."""
     u_n = U / (np.linalg.norm(U, axis=1, keepdims=True) + 1e-12)  # [C, d_out]
     w_n = W / (np.linalg.norm(W, axis=1, keepdims=True) + 1e-12)  # [d_in, d_out]
     cos = np.sign(V) * (w_n @ u_n.T)  # [d_in, C]
@@ -96,7 +97,11 @@ def host_metrics(dec: Decomposer, state: TrainState, target: Target, onehot: dic
         if onehot is not None and s in target.identity_ci_sites:
             out[f"eval/identity_ci_error/{s}"] = identity_ci_error(
                 np.asarray(onehot[s]), dec.cfg.eval.identity_tol)
-            out[f"eval/mmcs/{s}"] = mmcs(V, U, weights[s])
+            W = weights[s]
+            if W.shape[0] == target.n_features:  # features index rows (e.g. TMS linear1)
+                out[f"eval/mmcs/{s}"] = mmcs(V, U, W)
+            elif W.shape[1] == target.n_features:  # features index columns (TMS linear2)
+                out[f"eval/mmcs/{s}"] = mmcs(U.T, V.T, W.T)
     return out
 
 

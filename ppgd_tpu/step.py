@@ -153,6 +153,19 @@ class Decomposer:
 
     # ------------------------------------------------------------ the step
 
+    def _envelope_vjp(self, state: TrainState, target: Target, batch):
+        """The envelope and its vjp -> (CI-fn cotangent, component cotangent or None)."""
+        reads_components = getattr(state.ci_fn, "reads_components", False)
+
+        def envelope_of(ci_fn, comps):
+            ci = self.ci(ci_fn, comps, target, batch)
+            return Envelope(_cast(ci.lower, self.dtype), _cast(ci.upper, self.dtype))
+
+        if reads_components:
+            return jax.vjp(envelope_of, state.ci_fn, state.components)
+        env, vjp = jax.vjp(lambda f: envelope_of(f, state.components), state.ci_fn)
+        return env, lambda g: (vjp(g)[0], None)
+
     def _step(self, state: TrainState, target: Target, batch, env: Envelope | None):
         """SPEC 6 with the CI fn live (env None) or replayed from `env` [W3]."""
         cfg = self.cfg
@@ -164,10 +177,7 @@ class Decomposer:
 
         ci_vjp = None
         if env is None:
-            def envelope_of(ci_fn):
-                ci = self.ci(ci_fn, state.components, target, batch)
-                return Envelope(_cast(ci.lower, self.dtype), _cast(ci.upper, self.dtype))
-            env, ci_vjp = jax.vjp(envelope_of, state.ci_fn)
+            env, ci_vjp = self._envelope_vjp(state, target, batch)
 
         # [S24] warmup ascents against the all-sites route-all forward, comps and CI detached.
         advs = dict(state.adversaries)
@@ -191,6 +201,11 @@ class Decomposer:
             g = {s: x / term.coeff for s, x in g_src[name].items()}
             advs[name] = adv_lib.ascend(advs[name], g, term, lr)
 
+        g_ci = None
+        if ci_vjp is not None:
+            g_ci, g_comp_ci = ci_vjp(g_env)
+            if g_comp_ci is not None:  # the CI path into V (per_component_mlp, not detached)
+                g_comp = jax.tree.map(jnp.add, g_comp, g_comp_ci)
         lr_c = schedule_value(cfg.decomp.lr_components, step, self.steps)
         g_norm_c = global_norm(g_comp)
         g_comp = clip_by_global_norm(g_comp, cfg.decomp.grad_clip_components)
@@ -200,8 +215,7 @@ class Decomposer:
         metrics["train/lr/components"] = lr_c
         metrics["train/grad_norms/summary/components"] = g_norm_c
         ci_fn, opt_ci = state.ci_fn, state.opt_ci_fn
-        if ci_vjp is not None:
-            (g_ci,) = ci_vjp(g_env)
+        if g_ci is not None:
             lr_ci = schedule_value(cfg.decomp.lr_ci_fn, step, self.steps)
             ci_fn, opt_ci = apply_update(state.ci_fn, g_ci, state.opt_ci_fn, self.opt, lr_ci)
             g_norm_ci = global_norm(g_ci)

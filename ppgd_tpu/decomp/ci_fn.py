@@ -2,9 +2,10 @@
 
 A CI fn maps taps (clean-path activations, named by `input_names`) to per-site logits
 `[*leading, C_s]`; `ci_from_logits` is the ONE constructor of `{logits, lower, upper}` [S5].
-The per-component family reads x @ sg[V[:, c]]: CI is a function of the taps, never a path
-for component gradients, so a replayed (constant) envelope gives components exactly the
-backward a live one would [W3].
+The per-component family reads x @ V[:, c]; like the SPD reference it lets the CI path
+carry gradient into V unless `detach_inputs` (then CI is a function of the taps alone, which
+the replay modes need so that a constant envelope gives components the backward a live one
+would [W3]). Every other family reads taps only.
 """
 
 from __future__ import annotations
@@ -75,15 +76,22 @@ class PerComponentMLP(eqx.Module):
     b1: dict[str, jax.Array]  # [C, h]
     w2: dict[str, jax.Array]  # [C, h]
     b2: dict[str, jax.Array]  # [C]
+    detach_inputs: bool = eqx.field(static=True)
 
     @property
     def input_names(self) -> tuple[str, ...]:
         return tuple(self.w1)
 
+    @property
+    def reads_components(self) -> bool:
+        """Whether CI carries gradient into the components."""
+        return not self.detach_inputs
+
     def __call__(self, taps, components):
         out = {}
         for s in self.w1:
-            a = taps[s] @ jax.lax.stop_gradient(components.V[s])  # [*lead, C]
+            V = jax.lax.stop_gradient(components.V[s]) if self.detach_inputs else components.V[s]
+            a = taps[s] @ V  # [*lead, C]
             h = jax.nn.gelu(a[..., None] * self.w1[s] + self.b1[s])  # [*lead, C, h]
             out[s] = jnp.einsum("...ch,ch->...c", h, self.w2[s]) + self.b2[s]
         return out
@@ -136,7 +144,8 @@ def init(cfg: CIFnConfig, key, d_in: dict[str, int], C: dict[str, int]):
             w1={s: _normal(ks[s][0], (C[s], h), 1) for s in sites},
             b1={s: jnp.zeros((C[s], h)) for s in sites},
             w2={s: _normal(ks[s][1], (C[s], h), h) for s in sites},
-            b2={s: jnp.zeros((C[s],)) for s in sites})
+            b2={s: jnp.zeros((C[s],)) for s in sites},
+            detach_inputs=cfg.detach_inputs)
     if cfg.kind == "per_site_mlp":
         return PerSiteMLP(
             w1={s: _normal(ks[s][0], (d_in[s], h), d_in[s]) for s in sites},

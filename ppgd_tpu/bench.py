@@ -1,0 +1,124 @@
+"""`ppgd-tpu bench <case>`: measurements that are ratios or distributions taken in ONE run.
+
+- `step`: compile time, steady-state step time (median of individually timed steps), the
+  loop's step time (steps dispatched back to back, as the engine runs them), device-only
+  step time (the same steps inside one jitted fori_loop), host overhead share
+  = 1 - device_only / loop, steps/s and peak RSS.
+- `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
+  a subprocess, plus its peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from ppgd_tpu import cli
+
+
+def _peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
+    return resource.getrusage(who).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def bench_step(args: list[str]) -> int:
+    from ppgd_tpu.data.toy import batch_key
+    from ppgd_tpu.engine import Trainer
+
+    cfg, extra = cli.parse_config_args(args, {"n_steps": ("200", "timed steps per measurement")})
+    n = int(extra["n_steps"])
+    trainer = Trainer(cfg)
+    target, dec = trainer.target, trainer.dec
+    state = trainer.init_state()
+
+    t0 = time.perf_counter()
+    state, m = trainer.step_fn(state, target, trainer.batch(0))
+    jax.block_until_ready((state, m))
+    compile_s = time.perf_counter() - t0
+    for i in range(10):  # warm-up
+        state, m = trainer.step_fn(state, target, trainer.batch(i))
+    jax.block_until_ready(state)
+
+    single = []
+    for i in range(n):
+        t = time.perf_counter()
+        state, m = trainer.step_fn(state, target, trainer.batch(i))
+        jax.block_until_ready((state, m))
+        single.append(time.perf_counter() - t)
+
+    t = time.perf_counter()
+    for i in range(n):
+        state, m = trainer.step_fn(state, target, trainer.batch(i))
+    jax.block_until_ready((state, m))
+    loop_s = (time.perf_counter() - t) / n
+
+    B, seed = cfg.data.batch_size, cfg.seed
+
+    def device_loop(st, tg):
+        def body(i, s):
+            return dec.full(s, tg, tg.sample(batch_key(seed, i), B))[0]
+        return jax.lax.fori_loop(0, n, body, st)
+
+    run_loop = jax.jit(device_loop, donate_argnums=0)
+    state = jax.block_until_ready(run_loop(state, target))  # compile
+    t = time.perf_counter()
+    state = jax.block_until_ready(run_loop(state, target))
+    device_s = (time.perf_counter() - t) / n
+
+    report = {
+        "config": cfg.name,
+        "batch_size": B,
+        "compile_s": compile_s,
+        "step_median_ms": 1e3 * float(np.median(single)),
+        "step_p90_ms": 1e3 * float(np.percentile(single, 90)),
+        "loop_step_ms": 1e3 * loop_s,
+        "device_only_step_ms": 1e3 * device_s,
+        "host_overhead_share": max(0.0, 1.0 - device_s / loop_s),
+        "steps_per_s": 1.0 / loop_s,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+    _print(report)
+    return 0
+
+
+def bench_run(args: list[str]) -> int:
+    cfg, extra = cli.parse_config_args(args, {"run_dir": ("", "run dir (default: a temp dir)")})
+    run_dir = extra["run_dir"] or tempfile.mkdtemp(prefix="ppgd-bench-run-")
+    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
+           "--log.progress=false", *[a for a in args if not a.startswith("--run_dir")]]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        return proc.returncode
+    with open(os.path.join(run_dir, "summary.json")) as fh:
+        summary = json.load(fh)
+    _print({"config": cfg.name, "steps": cfg.decomp.steps, "wall_s": wall,
+            "steps_per_s_overall": cfg.decomp.steps / wall,
+            "peak_rss_mb": _peak_rss_mb(resource.RUSAGE_CHILDREN), "run_dir": run_dir,
+            **{k: v for k, v in summary.items() if k.startswith("eval/recon")}})
+    return 0
+
+
+CASES = {"step": bench_step, "run": bench_run}
+
+
+def _print(report: dict) -> None:
+    width = max(len(k) for k in report)
+    for k, v in report.items():
+        v = f"{v:.4g}" if isinstance(v, float) else v
+        print(f"{k.ljust(width)}  {v}")
+
+
+def main(case: str, args: list[str]) -> int:
+    if case not in CASES:
+        raise cli.UsageError(f"bench: unknown case {case!r}; one of {', '.join(CASES)}")
+    return CASES[case](args)

@@ -1,0 +1,370 @@
+"""One test per SPEC invariant of the decomposition math, each against its formula."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ppgd_tpu.config import Config, ImpMinConfig, PersistentPGDTerm, Schedule, StochasticTerm
+from ppgd_tpu.decomp import adversary, ci_fn, components, losses, schedules
+from ppgd_tpu.decomp.divergence import kl
+from ppgd_tpu.targets import tms
+from ppgd_tpu.targets.base import SiteMask
+
+jax.config.update("jax_enable_x64", False)
+
+
+# ---------------------------------------------------------------- [S6] squashings
+
+
+def _grad_lower(x, g):
+    _, vjp = jax.vjp(ci_fn.lower_leaky_hard, jnp.float32(x))
+    return float(vjp(jnp.float32(g))[0])
+
+
+@pytest.mark.parametrize("x,g,expected", [
+    (0.5, 2.0, 2.0),     # inside (0, 1]: g
+    (1.0, 2.0, 2.0),     # x = 1 belongs to the inside branch
+    (1.5, 2.0, 0.0),     # above 1: 0
+    (1.5, -2.0, 0.0),
+    (-0.5, -2.0, -0.02),  # below 0, g < 0: 0.01 g
+    (-0.5, 2.0, 0.0),    # below 0, g >= 0: 0
+    (0.0, -2.0, -0.02),  # the tie x = 0 belongs to the x <= 0 branch
+    (0.0, 2.0, 0.0),
+])
+def test_S6_lower_leaky_hard_backward(x, g, expected):
+    assert _grad_lower(x, g) == pytest.approx(expected, abs=1e-7)
+
+
+def test_S6_lower_forward_is_clamp_and_upper_is_leaky_above_one():
+    x = jnp.array([-2.0, 0.0, 0.3, 1.0, 3.0])
+    np.testing.assert_allclose(ci_fn.lower_leaky_hard(x), [0, 0, 0.3, 1, 1])
+    np.testing.assert_allclose(ci_fn.upper_leaky_hard(x), [0, 0, 0.3, 1, 1.02], rtol=1e-6)
+    # ordinary autodiff: slope 0.01 above 1, 1 inside, 0 below
+    g = jax.vmap(jax.grad(ci_fn.upper_leaky_hard))(jnp.array([-1.0, 0.5, 2.0]))
+    np.testing.assert_allclose(g, [0.0, 1.0, 0.01], rtol=1e-6)
+
+
+def test_S5_ci_from_logits_is_the_one_constructor():
+    logits = {"a": jnp.array([[-1.0, 0.5, 2.0]])}
+    ci = ci_fn.ci_from_logits(logits)
+    np.testing.assert_array_equal(ci.lower["a"], ci_fn.lower_leaky_hard(logits["a"]))
+    np.testing.assert_array_equal(ci.upper["a"], ci_fn.upper_leaky_hard(logits["a"]))
+
+
+# ---------------------------------------------------------------- [S20] schedules, [S19] clip
+
+
+def test_S20_cosine_reaches_final_value_at_last_step():
+    s = Schedule("cosine", 1.0, warmup_steps=10, final_frac=0.1)
+    total = 110
+    assert float(schedules.schedule_value(s, 10, total)) == pytest.approx(1.0)
+    assert float(schedules.schedule_value(s, total - 1, total)) == pytest.approx(0.1, abs=1e-6)
+    mid = 10 + (total - 10 - 1) / 2  # progress 0.5 -> halfway between peak and end
+    assert float(schedules.schedule_value(s, mid, total)) == pytest.approx(0.55, abs=1e-6)
+    # warmup: value * step / warmup
+    assert float(schedules.schedule_value(s, 5, total)) == pytest.approx(0.5)
+    assert float(schedules.schedule_value(s, 0, total)) == 0.0
+
+
+def test_S20_linear_schedule_endpoints():
+    s = Schedule("linear", 2.0, final_frac=0.2)  # p: 2.0 -> 0.4
+    assert float(schedules.schedule_value(s, 0, 50)) == pytest.approx(2.0)
+    assert float(schedules.schedule_value(s, 49, 50)) == pytest.approx(0.4)
+    assert float(schedules.schedule_value(s, 1000, 50)) == pytest.approx(0.4)
+
+
+def test_S19_clip_scale_includes_1e_minus_6():
+    g = {"a": jnp.array([3.0, 4.0])}  # norm 5
+    out = schedules.clip_by_global_norm(g, 0.01)
+    scale = min(1.0, 0.01 / (5.0 + 1e-6))
+    np.testing.assert_allclose(out["a"], np.array([3.0, 4.0]) * scale, rtol=1e-7)
+    # below the threshold the scale is still min(1, max/(norm+1e-6)) = 1
+    small = {"a": jnp.array([1e-4, 0.0])}
+    np.testing.assert_allclose(schedules.clip_by_global_norm(small, 0.01)["a"], [1e-4, 0.0])
+    # exactly at the threshold the +1e-6 makes the scale < 1
+    at = {"a": jnp.array([0.01, 0.0])}
+    assert float(schedules.clip_by_global_norm(at, 0.01)["a"][0]) == pytest.approx(
+        0.01 * 0.01 / (0.01 + 1e-6), rel=1e-6)
+
+
+# ---------------------------------------------------------------- [S25] KL, [S17] faithfulness
+
+
+def test_S25_kl_direction_is_clean_p_against_masked_q():
+    rng = np.random.default_rng(0)
+    clean = rng.normal(size=(3, 4, 7)).astype(np.float32)
+    masked = rng.normal(size=(3, 4, 7)).astype(np.float32)
+    p = np.exp(clean) / np.exp(clean).sum(-1, keepdims=True)
+    q = np.exp(masked) / np.exp(masked).sum(-1, keepdims=True)
+    expected = np.mean(np.sum(p * (np.log(p) - np.log(q)), -1))
+    reverse = np.mean(np.sum(q * (np.log(q) - np.log(p)), -1))
+    got = float(kl(jnp.asarray(clean), jnp.asarray(masked)))
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert abs(got - reverse) > 1e-3  # the direction matters
+
+
+def test_S17_faithfulness_formula():
+    rng = np.random.default_rng(1)
+    W = {"a": rng.normal(size=(4, 3)), "b": rng.normal(size=(3, 5))}
+    V = {"a": rng.normal(size=(4, 2)), "b": rng.normal(size=(3, 6))}
+    U = {"a": rng.normal(size=(2, 3)), "b": rng.normal(size=(6, 5))}
+    comps = components.Components(V={k: jnp.asarray(v, jnp.float32) for k, v in V.items()},
+                                  U={k: jnp.asarray(v, jnp.float32) for k, v in U.items()})
+    expected = sum(np.sum((W[s] - V[s] @ U[s]) ** 2) for s in W) / (12 + 15)
+    got = components.faithfulness(comps, {k: jnp.asarray(v, jnp.float32) for k, v in W.items()})
+    assert float(got) == pytest.approx(expected, rel=1e-5)
+
+
+# ---------------------------------------------------------------- [S7, S8] imp-min
+
+
+def test_S7_S8_imp_min_lp_and_frequency_term():
+    rng = np.random.default_rng(2)
+    upper = {"a": rng.uniform(0, 1.2, size=(6, 3)), "b": rng.uniform(0, 1, size=(6, 4))}
+    p, a, eps = 0.7, 50.0, 1e-12
+    cfg = ImpMinConfig(coeff=0.3, kind="lp", eps=eps, freq_coeff=0.2, reference_token_count=a)
+    f = {s: np.sum((u + eps) ** p, axis=0) / u.shape[0] for s, u in upper.items()}
+    lp = sum(fs.sum() for fs in f.values())
+    freq = sum(np.sum(fs * np.log2(1 + a * fs)) for fs in f.values())
+    got, got_lp, got_freq = losses.imp_min({s: jnp.asarray(u, jnp.float32) for s, u in upper.items()},
+                                           cfg, p, 0.1)
+    assert float(got_lp) == pytest.approx(lp, rel=1e-5)
+    assert float(got_freq) == pytest.approx(freq, rel=1e-5)
+    assert float(got) == pytest.approx(0.3 * lp + 0.2 * freq, rel=1e-5)
+
+
+def test_S7_imp_min_smooth_l0_and_positions_over_leading_axes():
+    u = np.random.default_rng(3).uniform(0, 1, size=(2, 5, 3))  # [B, T, C]
+    gamma = 0.2
+    cfg = ImpMinConfig(coeff=1.0, kind="smooth_l0")
+    psi = u ** 2 / (u ** 2 + gamma ** 2)
+    expected = np.sum(psi.reshape(-1, 3).sum(0) / 10)
+    got, _, _ = losses.imp_min({"a": jnp.asarray(u, jnp.float32)}, cfg, 1.0, gamma)
+    assert float(got) == pytest.approx(expected, rel=1e-5)
+
+
+# ---------------------------------------------------------------- [S2] masked forward
+
+
+@pytest.fixture(scope="module")
+def small_tms():
+    from ppgd_tpu.config import TMSConfig
+
+    t = tms.init(TMSConfig(n_features=5, n_hidden=2, n_identity_layers=1), jax.random.key(0))
+    C = {s: 3 for s in t.site_names}
+    comps = components.init(jax.random.key(1), t.site_weights(), C)
+    x = t.sample(jax.random.key(2), 16)
+    return t, comps, x
+
+
+def test_S2_no_live_sites_is_bit_identical_to_clean(small_tms):
+    t, comps, x = small_tms
+    np.testing.assert_array_equal(t.masked_forward(x, comps, {}), t.clean_output(x))
+
+
+def test_S2_route_nowhere_equals_frozen_and_non_live_sites_get_no_gradient(small_tms):
+    t, comps, x = small_tms
+    B = x.shape[0]
+    m = SiteMask(jnp.full((B, 3), 0.3), jnp.full((B,), 0.5), jnp.zeros((B,), bool))
+    np.testing.assert_allclose(t.masked_forward(x, comps, {"linear1": m}), t.clean_output(x),
+                               rtol=1e-6)
+
+    def loss(c):
+        return jnp.sum(t.masked_forward(x, c, {"linear1": m._replace(route=None)}))
+
+    g = jax.grad(loss)(comps)
+    assert float(jnp.abs(g.V["linear1"]).sum()) > 0
+    assert float(jnp.abs(g.V["linear2"]).sum()) == 0  # non-live: frozen path only
+    assert float(jnp.abs(g.U["hidden_layers.0"]).sum()) == 0
+
+
+def test_S2_site_out_formula_and_ones_with_delta_match_clean(small_tms):
+    t, comps, x = small_tms
+    B = x.shape[0]
+    W = t.site_weights()["linear1"]
+    V, U = comps.V["linear1"], comps.U["linear1"]
+    rng = np.random.default_rng(4)
+    mask = jnp.asarray(rng.uniform(size=(B, 3)), jnp.float32)
+    dm = jnp.asarray(rng.uniform(size=(B,)), jnp.float32)
+    seen = {}
+
+    def capture(name, h, W_):
+        seen[name] = h
+        return h @ W_
+
+    t.forward(x, capture)
+    h = t.masked_forward(x, comps, {"linear1": SiteMask(mask, dm)})
+    x1 = seen["linear1"]
+    by_hand = ((x1 @ V) * mask) @ U + (x1 @ (W - V @ U)) * dm[:, None]
+    expected = t.forward(x, lambda n, hh, WW: by_hand if n == "linear1" else hh @ WW)
+    np.testing.assert_allclose(h, expected, rtol=1e-5, atol=1e-6)
+    ones = {s: SiteMask(jnp.ones((B, 3)), jnp.ones((B,)), jnp.ones((B,), bool))
+            for s in t.site_names}
+    np.testing.assert_allclose(t.masked_forward(x, comps, ones), t.clean_output(x),
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- [S10, S11] stochastic plans
+
+
+def test_S11_uniform_k_routes_k_sites_per_position_uniformly():
+    routes = losses.uniform_k_routes(jax.random.key(0), (20000,), 4)
+    counts = np.asarray(routes).sum(0)
+    assert counts.min() >= 1 and counts.max() <= 4
+    freq = np.bincount(counts, minlength=5)[1:] / counts.size
+    np.testing.assert_allclose(freq, 0.25, atol=0.02)  # k ~ U{1..4}
+    # given k, each site is equally likely to be in the subset
+    per_site = np.asarray(routes)[:, counts == 2].mean(1)
+    np.testing.assert_allclose(per_site, 0.5, atol=0.03)
+
+
+def test_S10_plans_and_mean_over_all_forwards():
+    sites = ("a", "b", "c", "d", "e")
+    assert losses.stochastic_plan(StochasticTerm(plan="all"), sites) == [sites]
+    assert losses.stochastic_plan(StochasticTerm(plan="chunked", chunk_size=2), sites) == [
+        ("a", "b"), ("c", "d"), ("e",)]
+    lower = {s: jnp.zeros((4, 2)) for s in sites}
+    calls = []
+
+    def recon(masks):
+        calls.append(tuple(masks))
+        return jnp.float32(len(masks))  # divergence = number of live sites
+
+    term = StochasticTerm(plan="chunked", chunk_size=2, n_draws=3)
+    out = losses.stochastic_recon(jax.random.key(0), term, losses.stochastic_plan(term, sites),
+                                  lower, recon, True)
+    assert len(calls) == 9
+    assert float(out) == pytest.approx((2 + 2 + 1) / 3)
+
+
+def test_mask_from_source_formula():
+    lower = jnp.array([[0.2, 0.9]])
+    src = jnp.array([[0.5, 0.0, 0.7]])
+    m = losses.mask_from_source(lower, src, use_delta=True)
+    np.testing.assert_allclose(m.mask, [[0.2 + 0.8 * 0.5, 0.9]])
+    np.testing.assert_allclose(m.delta, [0.7])
+    assert losses.mask_from_source(lower, src, use_delta=False).delta is None
+
+
+# ---------------------------------------------------------------- [S15] adversary
+
+
+def test_S15_ascend_is_adam_ascent_with_eps_outside_sqrt_and_bias_correction():
+    cfg = PersistentPGDTerm(beta1=0.9, beta2=0.99, eps=1e-3)
+    adv = adversary.init(jax.random.key(0), "sc", (4,), {"a": 2})
+    src0 = np.asarray(adv.sources["a"])
+    g1 = np.array([[0.5, -0.2, 0.1]], np.float32)
+    g2 = np.array([[-0.1, 0.3, 0.0]], np.float32)
+    lr = 0.05
+    a = adversary.ascend(adv, {"a": jnp.asarray(g1)}, cfg, lr)
+    a = adversary.ascend(a, {"a": jnp.asarray(g2)}, cfg, lr)
+    m, v, s = np.zeros_like(g1), np.zeros_like(g1), src0.copy()
+    for t, g in enumerate([g1, g2], start=1):
+        m = 0.9 * m + 0.1 * g
+        v = 0.99 * v + 0.01 * g * g
+        s = np.clip(s + lr * (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.99 ** t)) + 1e-3), 0, 1)
+    np.testing.assert_allclose(a.sources["a"], s, rtol=1e-5)
+    assert float(a.step_count) == 2.0
+    # eps inside the sqrt would give a different value
+    wrong = np.clip(src0 + lr * (0.1 * g1 / 0.1) / np.sqrt(0.01 * g1 ** 2 / 0.01 + 1e-3), 0, 1)
+    assert not np.allclose(
+        adversary.ascend(adv, {"a": jnp.asarray(g1)}, cfg, lr).sources["a"], wrong)
+
+
+def test_S5_scopes_shapes():
+    assert adversary.scope_shape("sc", (8,)) == (1,)
+    assert adversary.scope_shape("bsc", (8,)) == (8,)
+    assert adversary.scope_shape("sc", (8, 16)) == (1, 16)
+    assert adversary.scope_shape("bsc", (8, 16)) == (8, 16)
+
+
+# ---------------------------------------------------------------- the step: [S13, S14, S24]
+
+
+def _tiny_cfg(**loss_kw):
+    cfg = Config()
+    loss = dataclasses.replace(cfg.loss, **loss_kw)
+    return dataclasses.replace(
+        cfg, loss=loss,
+        data=dataclasses.replace(cfg.data, batch_size=32),
+        decomp=dataclasses.replace(cfg.decomp, steps=10, sites={"*": 4}))
+
+
+def _toy_target():
+    from ppgd_tpu.config import TMSConfig
+
+    return tms.init(TMSConfig(), jax.random.key(0))
+
+
+@pytest.mark.parametrize("n_warmup", [0, 2])
+def test_S13_S14_S24_adversary_updates_per_step_and_final_ascent(n_warmup):
+    from ppgd_tpu.step import Decomposer
+
+    term = PersistentPGDTerm(coeff=2.5, scope="bsc", n_warmup=n_warmup,
+                             lr=Schedule("constant", 0.05))
+    cfg = _tiny_cfg(persistent_pgd={"ppgd": term})
+    t = _toy_target()
+    dec = Decomposer(cfg, t, (32, 5))
+    state = dec.init(t)
+    x = t.sample(jax.random.key(5), 32)
+    new, metrics = dec.full(state, t, x)
+    adv = new.adversaries["ppgd"]
+    assert float(adv.step_count) == n_warmup + 1
+    src = np.asarray(adv.sources["linear1"])
+    assert src.shape == (32, 5) and src.min() >= 0 and src.max() <= 1
+
+    # Recompute by hand: n_warmup ascents on the detached objective, then the final one
+    # from d(term)/d(sources) at pre-update components and live CI.
+    ci = dec.ci(state.ci_fn, state.components, t, x)
+    clean = t.clean_output(x)
+
+    def term_value(sources):
+        return dec.recon(t, x, state.components, dec.ppgd_masks(ci.lower, sources), clean)
+
+    expected = state.adversaries["ppgd"]
+    for _ in range(n_warmup):
+        expected = adversary.ascend(expected, jax.grad(term_value)(expected.sources), term, 0.05)
+    expected = adversary.ascend(expected, jax.grad(term_value)(expected.sources), term, 0.05)
+    for s in dec.sites:
+        np.testing.assert_allclose(adv.sources[s], expected.sources[s], rtol=1e-4, atol=1e-6)
+    assert float(metrics["train/loss/ppgd"]) > 0
+
+
+def test_R1_step_draws_depend_only_on_seed_and_step():
+    from ppgd_tpu.step import Decomposer
+
+    cfg = _tiny_cfg()
+    t = _toy_target()
+    dec = Decomposer(cfg, t, (32, 5))
+    x = t.sample(jax.random.key(5), 32)
+    s0 = dec.init(t)
+    a, ma = dec.full(s0, t, x)
+    b, mb = dec.full(dec.init(t), t, x)
+    assert float(ma["train/loss/stochastic"]) == float(mb["train/loss/stochastic"])
+    import equinox as eqx
+
+    later = eqx.tree_at(lambda s: s.step, s0, jnp.int32(5))
+    _, mc = dec.full(later, t, x)
+    assert float(mc["train/loss/stochastic"]) != float(ma["train/loss/stochastic"])
+
+
+def test_S21_faithfulness_warmup_reduces_faithfulness_only():
+    from ppgd_tpu.step import Decomposer
+
+    cfg = _tiny_cfg()
+    cfg = dataclasses.replace(cfg, decomp=dataclasses.replace(
+        cfg.decomp, faithfulness_warmup_steps=50, faithfulness_warmup_lr=1e-2))
+    t = _toy_target()
+    dec = Decomposer(cfg, t, (32, 5))
+    s0 = dec.init(t)
+    s1 = dec.faithfulness_warmup(s0, t)
+    w = t.site_weights()
+    assert float(components.faithfulness(s1.components, w)) < 0.5 * float(
+        components.faithfulness(s0.components, w))
+    # the CI fn and the main optimizer state are untouched; the warmup optimizer is discarded
+    for a, b in zip(jax.tree.leaves((s0.ci_fn, s0.opt_components)),
+                    jax.tree.leaves((s1.ci_fn, s1.opt_components))):
+        np.testing.assert_array_equal(a, b)
