@@ -53,6 +53,8 @@ class TMSConfig:
     train_batch: int = _f(1024, "target pretraining batch", lo=1)
     train_lr: float = _f(5e-3, "target pretraining AdamW lr (constant)", lo=0.0)
     weight_decay: float = _f(0.01, "target pretraining AdamW weight decay", lo=0.0)
+    check_tol: float = _f(0.1, "validation: |x_hat_i - 0.75| on the one-hot 0.75 e_i must be "
+                          "below this for every feature", lo=0.0)
 
 
 @dataclass(frozen=True)

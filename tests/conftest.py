@@ -1,6 +1,21 @@
+import os
+
 import pytest
 
 from gcs_emulator import GcsEmulator
+
+
+@pytest.fixture(scope="session", autouse=True)
+def target_cache(tmp_path_factory):
+    """Trained toy targets are cached per test session, never in the user's ~/.cache."""
+    path = str(tmp_path_factory.mktemp("target_cache"))
+    old = os.environ.get("PPGD_TPU_CACHE")
+    os.environ["PPGD_TPU_CACHE"] = path
+    yield path
+    if old is None:
+        os.environ.pop("PPGD_TPU_CACHE", None)
+    else:
+        os.environ["PPGD_TPU_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

@@ -112,8 +112,8 @@ def load(cfg: TargetConfig, path: str) -> Target:
 
 
 def check(target: Target, cfg: TargetConfig) -> None:
-    mod, _ = _kind(cfg)
-    problems = mod.check(target)
+    mod, sub = _kind(cfg)
+    problems = mod.check(target, sub)
     if problems:
         raise TargetError(f"target ({cfg.kind}) failed validation, refusing to decompose it: "
                           + "; ".join(problems))

@@ -76,10 +76,9 @@ def monosemantic_baseline(target: ResidMLP) -> float:
     return dropped * target.feature_probability / 6.0
 
 
-def check(target: ResidMLP, key=None) -> list[str]:
+def check(target: ResidMLP, cfg: ResidMLPConfig) -> list[str]:
     """Read-off MSE must beat the monosemantic baseline (TOYS.md)."""
-    key = jax.random.key(1234) if key is None else key
-    x = target.sample(key, 20000)
+    x = target.sample(jax.random.key(1234), 20000)
     out = target.forward(x, lambda _, h, W: h @ W)
     mse = float(jnp.mean(jnp.square(out - target.labels(x))))
     base = monosemantic_baseline(target)

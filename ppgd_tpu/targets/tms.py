@@ -65,13 +65,13 @@ def trainable_filter(target: TMS):
                feature_probability=target.feature_probability)
 
 
-def check(target: TMS) -> list[str]:
-    """Every feature well preserved: |x_hat_i - 0.75| < 0.1 on the one-hot 0.75 e_i."""
-    n = target.n_features
+def check(target: TMS, cfg: TMSConfig) -> list[str]:
+    """Every feature well preserved: |x_hat_i - 0.75| < tol on the one-hot 0.75 e_i."""
+    n, tol = target.n_features, cfg.check_tol
     out = np.asarray(target.forward(0.75 * jnp.eye(n), lambda _, h, W: h @ W))
     diag = np.diag(out)
     return [f"feature {i}: x_hat_i = {diag[i]:.3f} on input 0.75 e_i (|x_hat_i - 0.75| must "
-            "be < 0.1)" for i in range(n) if abs(diag[i] - 0.75) >= 0.1]
+            f"be < target.tms.check_tol = {tol})" for i in range(n) if abs(diag[i] - 0.75) >= tol]
 
 
 def state_dict(target: TMS) -> dict[str, jax.Array]:

@@ -1,0 +1,154 @@
+"""The CLI contract: bad input exits 2 naming the field, before compute and without touching
+an existing run dir; a run writes config.yaml, metrics.jsonl, summary.json and figures."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ppgd_tpu import cli
+from ppgd_tpu.engine import load_decomposition
+
+TINY = ["--decomp.steps=60", "--data.batch_size=64", "--eval.batch_size=256", "--eval.every=30",
+        "--log.every=20", "--log.progress=false", "--eval.pgd_steps=2"]
+
+
+def _run(argv, capsys):
+    rc = cli.run(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--decomp.stepz=3"], "--decomp.stepz: unknown flag; did you mean --decomp.steps"),
+    (["--decomp.steps=abc"], "--decomp.steps=abc"),
+    (["--decomp.steps=0"], "decomp.steps: 0 is out of range; must be >= 1"),
+    (["--loss.imp_min.kind=l3"], "loss.imp_min.kind"),
+    (["--data.train_batch_replay=1", "--data.replay_ci_update=first"],
+     "data.replay_ci_update: 'first' needs data.train_batch_replay >= 2"),
+    (["--data.train_batch_replay=3"], "decomp.steps: 20000 must be a multiple of "
+                                      "data.train_batch_replay"),
+    (["--loss.imp_min.freq_coeff=0.1"], "loss.imp_min.reference_token_count"),
+    (["--decomp.lr_components.kind=linear", "--decomp.lr_components.warmup_steps=20000"],
+     "decomp.lr_components.warmup_steps"),
+    (["stray"], "unexpected arguments"),
+])
+def test_refused_flags_exit_2_with_the_path(argv, needle, capsys, tmp_path):
+    rc, _, err = _run(["train", f"--run_dir={tmp_path / 'r'}", *argv], capsys)
+    assert rc == 2
+    assert needle in err
+    assert not (tmp_path / "r").exists()  # refused before anything was created
+
+
+def test_refused_yaml_names_the_dotted_path(capsys, tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("decomp:\n  ci_fn:\n    hiden: 3\n")
+    rc, _, err = _run(["train", f"--config={cfg}"], capsys)
+    assert rc == 2 and "decomp.ci_fn.hiden: unknown key (did you mean 'hidden'?)" in err
+    cfg.write_text("decomp:\n  sites: {mlp_in: 4}\n")
+    rc, _, err = _run(["train", f"--config={cfg}"], capsys)
+    assert rc == 2 and "decomp.sites.mlp_in: matches no site" in err and "linear1" in err
+    rc, _, err = _run(["train", f"--config={tmp_path / 'missing.yaml'}"], capsys)
+    assert rc == 2 and "--config: no such file" in err
+
+
+def test_console_script_exit_status_is_2():
+    proc = subprocess.run([sys.executable, "-m", "ppgd_tpu.cli", "train", "--eval.every=-1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "eval.every: -1 is out of range" in proc.stderr
+
+
+def test_helpfull_lists_every_field_with_type_default_and_meaning(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.run(["train", "--helpfull"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert '--decomp.steps=20000  [int]  optimizer steps' in out
+    assert "--loss.stochastic.layerwise.plan=\"chunked\"  [one of 'all', 'chunked']" in out
+    assert "--loss.imp_min.p.value=1.0  [float]" in out
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    assert cli.run(["train", f"--run_dir={run_dir}", *TINY]) == 0
+    return run_dir
+
+
+def test_run_dir_holds_config_metrics_summary_figures(finished_run):
+    files = set(os.listdir(finished_run))
+    assert {"config.yaml", "metrics.jsonl", "summary.json", "figures",
+            "decomposition.safetensors"} <= files
+    rows = [json.loads(ln) for ln in open(finished_run / "metrics.jsonl")]
+    train = [r for r in rows if "train/loss/total" in r]
+    assert [r["step"] for r in train] == [20, 40, 60]
+    for key in ["train/loss/total", "train/loss/faithfulness", "train/loss/imp_min",
+                "train/loss/stochastic", "train/loss/layerwise",
+                "train/grad_norms/summary/components", "train/grad_norms/summary/ci_fn",
+                "train/grad_norms/summary/total", "train/lr/components", "train/lr/ci_fn",
+                "train/perf/step_time_s"]:
+        assert all(np.isfinite(r[key]) for r in train), key
+    evals = [r for r in rows if "eval/recon/zero" in r]
+    assert [r["step"] for r in evals] == [30, 60]
+    summary = json.load(open(finished_run / "summary.json"))
+    for key in ["eval/ci_l0/linear1", "eval/alive/linear2", "eval/identity_ci_error/linear1",
+                "eval/mmcs/linear1", "eval/recon/unmasked", "eval/recon/ci_masked",
+                "eval/recon/stochastic", "eval/recon/pgd", "eval/recon/zero"]:
+        assert key in summary, key
+    assert summary["eval/recon/zero"] > summary["eval/recon/unmasked"]
+    figs = set(os.listdir(finished_run / "figures"))
+    assert {"ci_per_feature.png", "component_weights.png", "ci_histograms.png"} <= figs
+
+
+def test_load_decomposition_returns_numpy_components(finished_run):
+    d = load_decomposition(str(finished_run))
+    assert set(d) == {"linear1", "linear2"}
+    assert d["linear1"]["V"].shape == (5, 20) and d["linear1"]["U"].shape == (20, 2)
+    assert d["linear2"]["V"].shape == (2, 20) and d["linear2"]["U"].shape == (20, 5)
+
+
+def test_rerun_complete_and_refused_resume_leave_the_dir_untouched(finished_run, capsys):
+    before = {f: open(finished_run / f, "rb").read()
+              for f in ["config.yaml", "metrics.jsonl", "summary.json"]}
+    rc, out, _ = _run(["train", f"--run_dir={finished_run}", *TINY], capsys)
+    assert rc == 0 and "already complete" in out
+    rc, _, err = _run(["train", f"--run_dir={finished_run}", *TINY,
+                       "--loss.imp_min.coeff=0.5"], capsys)
+    assert rc == 2 and "loss.imp_min.coeff: 0.003 -> 0.5" in err
+    # fields that do not change the trajectory may differ (WORKSPACE.md)
+    rc, out, _ = _run(["train", f"--run_dir={finished_run}", *TINY, "--log.every=5"], capsys)
+    assert rc == 0 and "already complete" in out
+    after = {f: open(finished_run / f, "rb").read() for f in before}
+    assert before == after
+
+
+def test_pretrain_writes_a_target_that_train_loads_and_bad_files_are_refused(tmp_path, capsys):
+    out = tmp_path / "tms.safetensors"
+    rc, text, _ = _run(["pretrain", f"--output={out}", "--target.tms.train_steps=3000"], capsys)
+    assert rc == 0 and out.exists()
+    from safetensors.numpy import load_file, save_file
+
+    sd = load_file(str(out))
+    assert set(sd) == {"W", "b"}
+    save_file({"W": sd["W"][:, :1], "b": sd["b"]}, str(tmp_path / "bad.safetensors"))
+    rc, _, err = _run(["train", f"--target.path={tmp_path / 'bad.safetensors'}",
+                       f"--run_dir={tmp_path / 'r'}", *TINY], capsys)
+    assert rc == 2 and "tensor 'W' has shape (5, 1), expected (5, 2)" in err
+    save_file({"W": sd["W"]}, str(tmp_path / "missing.safetensors"))
+    rc, _, err = _run(["train", f"--target.path={tmp_path / 'missing.safetensors'}",
+                       f"--run_dir={tmp_path / 'r'}", *TINY], capsys)
+    assert rc == 2 and "missing tensor 'b'" in err
+    rc, _, _ = _run(["train", f"--target.path={out}", f"--run_dir={tmp_path / 'ok'}", *TINY],
+                    capsys)
+    assert rc == 0
+
+
+def test_a_target_that_fails_validation_is_refused(tmp_path, capsys):
+    rc, _, err = _run(["train", "--target.tms.train_steps=5", f"--run_dir={tmp_path / 'r'}",
+                       *TINY], capsys)
+    assert rc == 2 and "failed validation" in err and "x_hat_i" in err
+    assert not (tmp_path / "r").exists()
