@@ -39,7 +39,7 @@ DRY_RUN=0 ACCEL="" RUNTIME=tpu-ubuntu2204-base CAPACITY="" QUEUED=0
 PACKAGE="" GIT_REF="" GIT_URL="" RUN_DIR="" PORT=8476 LOG_ROOT="" MAX_RETRIES=5
 WORKER=0 FOLLOW=0 LINES=100
 EXTRA_ENV=() TRAIN_ARGS=()
-TMP="" RUNNING=()   # scratch dir; local ssh pids still to reap on exit
+TMP="" RUNNING=() ACTION=""   # scratch dir; local ssh pids still to reap on exit
 
 die() { echo "$PROG $CMD: error: $*" >&2; exit 2; }
 note() { echo "$PROG $CMD: $*" >&2; }
@@ -339,11 +339,11 @@ reap() {
 on_all_workers() {
   local dir=$1 n=$2 cmd=$3 mode=$4 i pid rc first_rc=0 failed=() argv
   local -A worker_of=()
-  mkdir -p "$dir"
   if ((DRY_RUN)); then
     for ((i = 0; i < n; i++)); do remote "$i" "$cmd"; done
     return 0
   fi
+  mkdir -p "$dir"
   for ((i = 0; i < n; i++)); do
     mapfile -d '' -t argv < <(ssh_args "$i" "$cmd")
     gcloud "${argv[@]}" >"$dir/worker-$i.log" 2>&1 </dev/null &
@@ -378,11 +378,12 @@ cmd_create() {
   create_pod
 }
 
+# create_pod [absent]: "absent" skips the existence check (the pod was just deleted).
 create_pod() {
-  local capacity=() state
+  local capacity=() state=NOT_FOUND
   [[ -z $CAPACITY ]] || capacity=("$CAPACITY")
   if ((QUEUED)); then
-    state=$(queued_state)
+    [[ ${1:-} == absent ]] || state=$(queued_state)
     if [[ $state != NOT_FOUND ]]; then note "queued resource $TPU already exists ($state)"
     else
       [[ $CAPACITY != --preemptible ]] || die "--preemptible does not apply to queued resources; use --spot"
@@ -390,8 +391,8 @@ create_pod() {
         "--accelerator-type=$ACCEL" "--runtime-version=$RUNTIME" ${capacity[@]+"${capacity[@]}"}
     fi
   else
-    read_pod
-    if [[ $POD_STATE != NOT_FOUND ]]; then note "TPU $TPU already exists ($POD_STATE)"
+    [[ ${1:-} == absent ]] || { read_pod; state=$POD_STATE; }
+    if [[ $state != NOT_FOUND ]]; then note "TPU $TPU already exists ($state)"
     else
       gc compute tpus tpu-vm create "$TPU" "${SCOPE[@]}" "--accelerator-type=$ACCEL" \
         "--version=$RUNTIME" ${capacity[@]+"${capacity[@]}"}
@@ -501,14 +502,19 @@ cmd_stop() { remote all "$(kill_command)"; }
 # Copies an attempt's local logs to RUN_DIR/launch_logs/<rel>/ (best effort).
 upload_logs() {  # upload_logs DIR REL
   [[ -n $RUN_DIR ]] || return 0
-  local files=("$1"/*.log "$1"/exit_status)
-  ((DRY_RUN)) || [[ -e ${files[0]} ]] || return 0
+  local f files=()
+  for f in "$1"/*.log "$1"/exit_status; do [[ ! -e $f ]] || files+=("$f"); done
+  ((${#files[@]})) || return 0
   gc storage cp "${files[@]}" "${RUN_DIR%/}/launch_logs/$2/" || note "could not copy logs to $RUN_DIR (kept in $1)"
 }
 
 # One full start of training: READY check, preflight on every worker, train on every worker.
 run_attempt() {  # run_attempt DIR REL
   local dir=$1 rc=0 i missing=()
+  if ((DRY_RUN)) && [[ $ACTION == create || $ACTION == recreate ]]; then
+    note "dry run: the pod was not really created, so the per-worker preflight and train commands are not shown"
+    return 0
+  fi
   require_ready
   note "preflight on all $POD_WORKERS workers"
   on_all_workers "$dir/preflight" "$POD_WORKERS" "$(preflight_command)" collect || true
@@ -522,7 +528,7 @@ run_attempt() {  # run_attempt DIR REL
   note "starting ppgd-tpu train on all $POD_WORKERS workers; logs in $dir"
   on_all_workers "$dir" "$POD_WORKERS" "$(train_command)" failfast || rc=$?
   upload_logs "$dir" "$2"
-  ((rc == 0)) && note "all $POD_WORKERS workers finished"
+  ((DRY_RUN || rc != 0)) || note "all $POD_WORKERS workers finished"
   return "$rc"
 }
 
@@ -544,7 +550,7 @@ ensure_pod() {
       ACTION="wait"; wait_ready; return 0 ;;
     *) ACTION=recreate; note "TPU $TPU is ${qstate:+$qstate/}$POD_STATE: deleting and recreating it"; delete_pod ;;
   esac
-  create_pod
+  create_pod absent
   install_package
 }
 
@@ -561,8 +567,15 @@ cmd_watch() {
   resolve_package
   local rel attempt rc action status wait_s
   rel=watch-$(stamp)
+  if ((DRY_RUN)); then
+    ensure_pod
+    run_attempt "$LOG_ROOT/$rel/attempt-1" "$rel/attempt-1"
+    note "dry run: showed the first attempt; a failed attempt is retried after a backoff"
+    return 0
+  fi
   mkdir -p "$LOG_ROOT/$rel"
   for ((attempt = 1; ; attempt++)); do
+    # A subshell with its own errexit: any failure inside ends only this attempt.
     set +e
     (
       set -e
@@ -581,7 +594,6 @@ cmd_watch() {
     echo "$(stamp) attempt=$attempt pod=$action $status exit=$rc next_backoff_s=$wait_s" | tee -a "$LOG_ROOT/$rel/attempts.log" >&2
     upload_logs "$LOG_ROOT/$rel" "$rel"
     ((rc == 0)) && { note "run finished after $attempt attempt(s)"; return 0; }
-    ((DRY_RUN)) && { note "dry run: showed the first attempt only"; return 0; }
     ((attempt <= MAX_RETRIES)) || { note "giving up after $attempt attempts (last exit $rc); log: $LOG_ROOT/$rel/attempts.log"; return "$rc"; }
     note "retrying in ${wait_s}s (retry $attempt of $MAX_RETRIES); training resumes from $RUN_DIR"
     sleep "$wait_s"

@@ -85,6 +85,14 @@ def ssh_call(worker, command):
             f"--command={command}"]
 
 
+def alive(pid):
+    """True for a running process (a zombie awaiting its reaper is not running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def wheel(tmp_path, version="0.1.0"):
     w = tmp_path / f"ppgd_tpu-{version}-py3-none-any.whl"
     w.write_bytes(b"not really a wheel")
@@ -192,7 +200,7 @@ def test_run_fails_fast_names_the_worker_and_stops_the_others(tmp_path):
     trains = r.trains()
     assert sorted(t["worker"] for t in trains) == [0, 1, 2, 3]
     for t in trains:
-        assert not Path(f"/proc/{t['pid']}").exists()
+        assert not alive(t["pid"])
     exits = [x["exit"] for x in r.remote if "exit" in x]
     assert 3 in exits and 99 not in exits
     (status,) = (tmp_path / "tpu_pod_logs/pod").glob("*/exit_status")
@@ -228,8 +236,19 @@ def test_dry_run_prints_the_commands_a_real_run_issues(tmp_path):
     (tmp_path / "real").mkdir()
     real = Launch(tmp_path / "real", args, {"workers": 2})
     issued = [c for c in real.calls if c[3] == "ssh"]
-    assert sorted(map(json.dumps, printed[:4])) == sorted(map(json.dumps, issued))
-    assert printed[4][:2] == ["storage", "cp"]
+    assert sorted(map(json.dumps, printed)) == sorted(map(json.dumps, issued))
+
+
+def test_watch_dry_run_shows_the_recreation_and_changes_nothing(tmp_path):
+    r = Launch(tmp_path, ["watch", "--dry-run", *BASE, "--run_dir", "gs://b/r", "--accelerator-type", "v4-16",
+                          "--git-ref", "main", "--git-url", "https://example.com/p.git", "--", "--x=1"],
+               {"state": "PREEMPTED"})
+    assert r.rc == 0, r.err
+    printed = [shlex.split(line[2:])[1:] for line in r.out.splitlines() if line.startswith("+ gcloud ")]
+    assert printed[:2] == [["compute", "tpus", "tpu-vm", "delete", "pod", *SCOPE, "--quiet"],
+                           ["compute", "tpus", "tpu-vm", "create", "pod", *SCOPE, "--accelerator-type=v4-16",
+                            "--version=tpu-ubuntu2204-base"]]
+    assert all(c[3] == "describe" for c in r.calls) and r.remote == []
 
 
 # ------------------------------------------------------------------------- watch
@@ -245,7 +264,7 @@ def test_watch_recreates_a_preempted_pod_and_reruns_the_same_command(tmp_path):
     verbs = [c[3] if c[0] == "compute" else c[0] for c in r.calls]
     delete = verbs.index("delete")
     assert r.calls[delete] == ["compute", "tpus", "tpu-vm", "delete", "pod", *SCOPE, "--quiet"]
-    assert r.calls[delete + 2] == ["compute", "tpus", "tpu-vm", "create", "pod", *SCOPE, "--accelerator-type=v4-16",
+    assert r.calls[delete + 1] == ["compute", "tpus", "tpu-vm", "create", "pod", *SCOPE, "--accelerator-type=v4-16",
                                    "--version=tpu-ubuntu2204-base", "--spot"]
     assert ["compute", "tpus", "tpu-vm", "scp", str(pkg), "pod:ppgd_tpu/dist/", *SCOPE, "--worker=all"] in r.calls
     # Resume = the same command again: each worker's train argv is identical on both attempts.
