@@ -1,0 +1,369 @@
+"""launch/tpu_pod.sh against a fake gcloud (tests/fake_gcloud): the exact commands it issues,
+fail-fast, the refusal to run on part of a pod, and the watch loop's retries and resume.
+
+gcloud cannot be reached from here, so a fake `gcloud` (and a recording `sleep`) goes first on
+PATH. The fake really runs every remote command with bash, one simulated worker after another,
+with stand-ins for the programs on a TPU worker (sudo, pgrep, python3 -m pip, ppgd-tpu), so the
+argv that `ppgd-tpu train` receives is what a real shell made of the quoted command.
+"""
+import json
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "tpu_pod.sh"
+FAKE_BIN = ROOT / "tests" / "fake_gcloud"
+TRAIN_ARGS = [
+    "--config=configs/tms_5_2.yaml",
+    "--decomp.steps=2000",
+    "--loss.imp_min.coeff=3e-3",
+    "--run_name=two words = one's flag",  # spaces, '=' and a single quote
+    "",                                   # an empty argument survives too
+    "--tags=$HOME;`x`",                   # nothing is expanded on the worker
+]
+SSH_FLAGS = ["--ssh-flag=-oConnectTimeout=30", "--ssh-flag=-oServerAliveInterval=30",
+             "--ssh-flag=-oServerAliveCountMax=6"]
+SCOPE = ["--zone=us-central2-b"]
+BASE = ["--tpu", "pod", "--zone", "us-central2-b"]
+
+
+class Launch:
+    """One launcher invocation: exit code, output, and what the fakes recorded."""
+
+    def __init__(self, tmp_path, args, scenario=None, env=None):
+        state = tmp_path / "state"
+        scenario_file = tmp_path / "scenario.json"
+        scenario_file.write_text(json.dumps(scenario or {}))
+        self.env = {
+            **os.environ,
+            "PATH": f"{FAKE_BIN}:{os.environ['PATH']}",
+            "FAKE_GCLOUD_LOG": str(tmp_path / "gcloud.jsonl"),
+            "FAKE_GCLOUD_STATE": str(state),
+            "FAKE_GCLOUD_SCENARIO": str(scenario_file),
+            "FAKE_SLEEP_LOG": str(tmp_path / "sleep.log"),
+            "TPU_POD_BACKOFF_S": "0",
+            **(env or {}),
+        }
+        for k in ("TPU_NAME", "TPU_ZONE", "CLOUDSDK_COMPUTE_ZONE", "TPU_PROJECT"):
+            self.env.pop(k, None)
+        logs = (tmp_path / "gcloud.jsonl", state / "remote.jsonl", tmp_path / "sleep.log")
+        before = [len(read_lines(f)) for f in logs]  # earlier invocations in this tmp_path
+        p = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=self.env,
+                           capture_output=True, text=True, timeout=120)
+        self.rc, self.out, self.err = p.returncode, p.stdout, p.stderr
+        calls, remote, sleeps = (read_lines(f)[n:] for f, n in zip(logs, before))
+        self.calls = [json.loads(line) for line in calls]
+        self.remote = [json.loads(line) for line in remote]
+        self.sleeps = sleeps
+        self.state = state
+
+    def ssh(self, worker=None):
+        """The --command of every ssh call (to `--worker=worker`, if given), in order."""
+        out = []
+        for c in self.calls:
+            if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"] and (worker is None or f"--worker={worker}" in c):
+                out.append(c[-1].removeprefix("--command="))
+        return out
+
+    def trains(self, worker=None):
+        """Starts of `ppgd-tpu` on the workers (records without "exit")."""
+        return [r for r in self.remote
+                if r["prog"] == "ppgd-tpu" and "exit" not in r and worker in (None, r["worker"])]
+
+
+def read_lines(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def ssh_call(worker, command):
+    return ["compute", "tpus", "tpu-vm", "ssh", "pod", *SCOPE, f"--worker={worker}", *SSH_FLAGS,
+            f"--command={command}"]
+
+
+def alive(pid):
+    """True for a running process (a zombie awaiting its reaper is not running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wheel(tmp_path, version="0.1.0"):
+    w = tmp_path / f"ppgd_tpu-{version}-py3-none-any.whl"
+    w.write_bytes(b"not really a wheel")
+    return w
+
+
+# ------------------------------------------------------------------------- static checks
+
+def test_shellcheck_passes_on_every_launch_script():
+    """Every script in launch/ (tpu_pod.sh, and local.sh once it exists) is shellcheck-clean."""
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install -y shellcheck; .ci/run installs it)")
+    scripts = sorted((ROOT / "launch").glob("*.sh"))
+    assert SCRIPT in scripts
+    p = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_every_subcommand_has_help_and_calls_no_gcloud(tmp_path):
+    top = Launch(tmp_path, ["--help"])
+    assert top.rc == 0
+    for sub in ("create", "setup", "run", "status", "logs", "stop", "delete", "watch"):
+        assert sub in top.out
+        r = Launch(tmp_path, [sub, "--help"])
+        assert r.rc == 0, r.err
+        assert r.out.startswith(f"usage: tpu_pod.sh {sub}"), r.out
+    assert Launch(tmp_path, ["run", "--help"]).calls == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["frobnicate"], "unknown subcommand 'frobnicate'"),
+    (["run", "--zone", "z", "--", "x"], "--tpu NAME is required"),
+    (["run", "--tpu", "pod", "--", "x"], "--zone ZONE is required"),
+    (["run", *BASE, "--run_dir", "/local/dir"], "--run_dir '/local/dir' must be a gs:// path"),
+    (["run", *BASE, "--env", "no-equals"], "--env 'no-equals' is not KEY=VALUE"),
+    (["run", *BASE, "--coordinator-port", "99999"], "--coordinator-port '99999' is not a port"),
+    (["run", *BASE, "--spot"], "option --spot does not apply to 'run'"),
+    (["create", *BASE], "--accelerator-type TYPE is required"),
+    (["run", *BASE, "--run_dir", "gs://b/r", "--", "--run_dir=gs://b/other"], "--run_dir is given both"),
+    (["watch", *BASE, "--accelerator-type", "v4-32", "--", "x"], "--run_dir gs://... is required"),
+    (["setup", *BASE, "--package", "missing.whl"], "--package 'missing.whl' is not a file"),
+])
+def test_bad_input_is_refused_with_the_field_named(tmp_path, args, message):
+    r = Launch(tmp_path, args)
+    assert r.rc == 2
+    assert message in r.err, r.err
+    assert not any(c[3] in ("create", "ssh", "delete") for c in r.calls if len(c) > 3)
+
+
+# ------------------------------------------------------------------------- run
+
+def test_run_issues_exact_commands_on_every_worker_and_passes_args_unchanged(tmp_path):
+    env_flag = "LIBTPU_INIT_ARGS=--xla_tpu_a=1 --xla_tpu_b=2"
+    r = Launch(tmp_path, ["run", *BASE, "--run_dir", "gs://bkt/runs/r1", "--coordinator-port", "9476",
+                          "--env", env_flag, "--", *TRAIN_ARGS])
+    assert r.rc == 0, r.err
+    preflight = (
+        "sudo pkill -TERM -f '[p]pgd-tpu train'; for _ in $(seq 60); do pgrep -f '[p]pgd-tpu train'"
+        " >/dev/null || break; sleep 1; done; sudo pkill -KILL -f '[p]pgd-tpu train'; true;"
+        " sudo lsof -t -w /dev/accel* /dev/vfio/* 2>/dev/null | xargs -r sudo kill -9;"
+        " sudo rm -f /tmp/libtpu_lockfile; echo ppgd-preflight-ok")
+    train = (
+        'set -o pipefail; mkdir -p "$HOME/ppgd_tpu" && export PATH="$HOME/.local/bin:$PATH" && '
+        "env PPGD_COORDINATOR_PORT=9476 'LIBTPU_INIT_ARGS=--xla_tpu_a=1 --xla_tpu_b=2' "
+        "ppgd-tpu train --run_dir gs://bkt/runs/r1 --config=configs/tms_5_2.yaml --decomp.steps=2000 "
+        "--loss.imp_min.coeff=3e-3 '--run_name=two words = one'\\''s flag' '' '--tags=$HOME;`x`' "
+        '2>&1 | tee "$HOME/ppgd_tpu/train.log"')
+    describe = ["compute", "tpus", "tpu-vm", "describe", "pod", *SCOPE,
+                "--format=value(state,networkEndpoints[].ipAddress)"]
+    assert r.calls[0] == describe
+    # Each worker gets exactly one preflight, then exactly one train; ssh runs in parallel.
+    assert sorted(map(json.dumps, r.calls[1:5])) == sorted(json.dumps(ssh_call(w, preflight)) for w in range(4))
+    assert sorted(map(json.dumps, r.calls[5:9])) == sorted(json.dumps(ssh_call(w, train)) for w in range(4))
+    stamp = r.calls[9][-1].split("/")[-2]
+    assert r.calls[9][:2] == ["storage", "cp"] and r.calls[9][-1] == f"gs://bkt/runs/r1/launch_logs/{stamp}/"
+    assert len(r.calls) == 10
+    # What a real shell on each worker made of the command: the args, unchanged.
+    assert sorted(t["worker"] for t in r.trains()) == [0, 1, 2, 3]
+    for t in r.trains():
+        assert t["argv"] == ["train", "--run_dir", "gs://bkt/runs/r1", *TRAIN_ARGS]
+        assert t["env"]["PPGD_COORDINATOR_PORT"] == "9476"
+        assert t["env"]["LIBTPU_INIT_ARGS"] == "--xla_tpu_a=1 --xla_tpu_b=2"
+        # On that worker, the stale lockfile was removed before train started.
+        mine = [x["argv"] for x in r.remote if x["worker"] == t["worker"]]
+        assert mine.index(["rm", "-f", "/tmp/libtpu_lockfile"]) < mine.index(t["argv"])
+    # Per-worker logs: locally, in the run dir, and on the worker for `logs`.
+    for w in range(4):
+        line = f"fake train run 1 on worker {w}: ok"
+        assert line in (tmp_path / "tpu_pod_logs/pod" / stamp / f"worker-{w}.log").read_text()
+        assert line in (r.state / f"gcs/bkt/runs/r1/launch_logs/{stamp}/worker-{w}.log").read_text()
+        assert line in (r.state / f"worker-{w}/home/ppgd_tpu/train.log").read_text()
+    assert (r.state / f"gcs/bkt/runs/r1/launch_logs/{stamp}/exit_status").read_text() == "rc=0 failed_worker=none\n"
+
+
+def test_run_fails_fast_names_the_worker_and_stops_the_others(tmp_path):
+    scenario = {"workers": 4, "train": {"1": {"2": {"exit": 3}, "*": "block"}}}
+    r = Launch(tmp_path, ["run", *BASE, "--run_dir", "gs://b/r", "--", "--decomp.steps=5"], scenario)
+    assert r.rc == 3
+    assert "worker 2 exited with code 3" in r.err
+    # The others were stopped on the pod with one --worker=all stop after the failure ...
+    stops = [c for c in r.calls if "--worker=all" in c]
+    assert len(stops) == 1 and "sudo pkill -TERM -f '[p]pgd-tpu train'" in stops[0][-1]
+    assert r.calls.index(stops[0]) > max(r.calls.index(c) for c in r.calls if "ppgd-tpu train --run_dir" in c[-1])
+    # ... and none of them is still running or ran into the stub's never-stopped safety net.
+    trains = r.trains()
+    assert sorted(t["worker"] for t in trains) == [0, 1, 2, 3]
+    for t in trains:
+        assert not alive(t["pid"])
+    exits = [x["exit"] for x in r.remote if "exit" in x]
+    assert 3 in exits and 99 not in exits
+    (status,) = (tmp_path / "tpu_pod_logs/pod").glob("*/exit_status")
+    assert status.read_text() == "rc=3 failed_worker=2\n"
+
+
+def test_run_refuses_a_subset_of_workers(tmp_path):
+    """--worker is refused outright; an unreachable worker fails the preflight and nothing starts."""
+    (tmp_path / "a").mkdir()
+    r = Launch(tmp_path / "a", ["run", *BASE, "--worker", "0", "--", "x"])
+    assert r.rc == 2 and "--worker is refused: 'run' always uses every worker" in r.err and r.calls == []
+
+    (tmp_path / "b").mkdir()
+    r = Launch(tmp_path / "b", ["run", *BASE, "--", "x"], {"workers": 4, "unreachable": [3]})
+    assert r.rc == 2
+    assert "preflight failed on worker(s) 3 of 4" in r.err and "refusing to start on a subset" in r.err
+    assert r.trains() == [] and not any("ppgd-tpu train" in cmd for cmd in r.ssh())
+
+
+def test_run_refuses_a_pod_that_is_not_ready(tmp_path):
+    r = Launch(tmp_path, ["run", *BASE, "--", "x"], {"state": "CREATING"})
+    assert r.rc == 2 and "TPU pod is CREATING, not READY; refusing" in r.err
+    assert r.ssh() == []
+
+
+def test_dry_run_prints_the_commands_a_real_run_issues(tmp_path):
+    args = ["run", *BASE, "--run_dir", "gs://b/r", "--", *TRAIN_ARGS]
+    (tmp_path / "dry").mkdir()
+    dry = Launch(tmp_path / "dry", [*args[:1], "--dry-run", *args[1:]], {"workers": 2})
+    assert dry.rc == 0, dry.err
+    assert all(c[3] == "describe" for c in dry.calls) and dry.remote == []
+    printed = [shlex.split(line[2:])[1:] for line in dry.out.splitlines() if line.startswith("+ gcloud ")]
+    (tmp_path / "real").mkdir()
+    real = Launch(tmp_path / "real", args, {"workers": 2})
+    issued = [c for c in real.calls if c[3] == "ssh"]
+    assert sorted(map(json.dumps, printed)) == sorted(map(json.dumps, issued))
+
+
+def test_watch_dry_run_shows_the_recreation_and_changes_nothing(tmp_path):
+    r = Launch(tmp_path, ["watch", "--dry-run", *BASE, "--run_dir", "gs://b/r", "--accelerator-type", "v4-16",
+                          "--git-ref", "main", "--git-url", "https://example.com/p.git", "--", "--x=1"],
+               {"state": "PREEMPTED"})
+    assert r.rc == 0, r.err
+    printed = [shlex.split(line[2:])[1:] for line in r.out.splitlines() if line.startswith("+ gcloud ")]
+    assert printed[:2] == [["compute", "tpus", "tpu-vm", "delete", "pod", *SCOPE, "--quiet"],
+                           ["compute", "tpus", "tpu-vm", "create", "pod", *SCOPE, "--accelerator-type=v4-16",
+                            "--version=tpu-ubuntu2204-base"]]
+    assert all(c[3] == "describe" for c in r.calls) and r.remote == []
+
+
+# ------------------------------------------------------------------------- watch
+
+def test_watch_recreates_a_preempted_pod_and_reruns_the_same_command(tmp_path):
+    scenario = {"workers": 2, "ready_after_describes": 1, "train": {"1": {"1": "preempt", "*": "block"}}}
+    pkg = wheel(tmp_path)
+    r = Launch(tmp_path, ["watch", *BASE, "--run_dir", "gs://b/r", "--accelerator-type", "v4-16",
+                          "--runtime-version", "tpu-ubuntu2204-base", "--spot", "--package", str(pkg),
+                          "--max-retries", "3", "--", *TRAIN_ARGS], scenario,
+               env={"TPU_POD_BACKOFF_S": "7", "TPU_POD_POLL_S": "2"})
+    assert r.rc == 0, r.err
+    verbs = [c[3] if c[0] == "compute" else c[0] for c in r.calls]
+    delete = verbs.index("delete")
+    assert r.calls[delete] == ["compute", "tpus", "tpu-vm", "delete", "pod", *SCOPE, "--quiet"]
+    assert r.calls[delete + 1] == ["compute", "tpus", "tpu-vm", "create", "pod", *SCOPE, "--accelerator-type=v4-16",
+                                   "--version=tpu-ubuntu2204-base", "--spot"]
+    assert ["compute", "tpus", "tpu-vm", "scp", str(pkg), "pod:ppgd_tpu/dist/", *SCOPE, "--worker=all"] in r.calls
+    # Resume = the same command again: each worker's train argv is identical on both attempts.
+    for w in (0, 1):
+        first, second = r.trains(w)
+        assert first["argv"] == second["argv"] == ["train", "--run_dir", "gs://b/r", *TRAIN_ARGS]
+    lines = (next((tmp_path / "tpu_pod_logs/pod").glob("watch-*")) / "attempts.log").read_text().splitlines()
+    assert len(lines) == 2
+    assert "attempt=1 pod=reuse rc=255 failed_worker=1 exit=255 next_backoff_s=7" in lines[0]
+    assert "attempt=2 pod=recreate rc=0 failed_worker=none exit=0 next_backoff_s=0" in lines[1]
+    # one poll while the new node was CREATING, then the backoff before attempt 2
+    assert r.sleeps == ["7", "2"]
+    (uploaded,) = (r.state / "gcs/b/r/launch_logs").glob("watch-*/attempts.log")
+    assert uploaded.read_text().splitlines() == lines
+
+
+def test_watch_retries_with_doubling_capped_backoff_then_gives_up(tmp_path):
+    scenario = {"workers": 2, "train": {str(n): {"0": {"exit": 1}} for n in range(1, 6)}}
+    r = Launch(tmp_path, ["watch", *BASE, "--run_dir", "gs://b/r", "--accelerator-type", "v4-16",
+                          "--package", str(wheel(tmp_path)), "--max-retries", "3", "--", "--decomp.steps=9"],
+               scenario, env={"TPU_POD_BACKOFF_S": "5", "TPU_POD_BACKOFF_MAX_S": "12"})
+    assert r.rc == 1
+    assert "giving up after 4 attempts" in r.err
+    assert r.sleeps == ["5", "10", "12"]
+    assert len(r.trains(0)) == 4 and not any(c[3] in ("create", "delete") for c in r.calls if c[0] == "compute")
+
+
+# ------------------------------------------------------------------------- create / setup / delete
+
+def test_create_waits_for_ready_and_is_idempotent(tmp_path):
+    args = ["create", *BASE, "--accelerator-type", "v5litepod-16", "--runtime-version", "v2-alpha-tpuv5-lite",
+            "--preemptible"]
+    r = Launch(tmp_path, args, {"state": "NOT_FOUND", "ready_after_describes": 2}, env={"TPU_POD_POLL_S": "3"})
+    assert r.rc == 0, r.err
+    creates = [c for c in r.calls if c[3] == "create"]
+    assert creates == [["compute", "tpus", "tpu-vm", "create", "pod", *SCOPE, "--accelerator-type=v5litepod-16",
+                        "--version=v2-alpha-tpuv5-lite", "--preemptible"]]
+    assert r.sleeps == ["3", "3"] and "TPU pod is READY with 4 worker(s)" in r.err
+    again = Launch(tmp_path, args)
+    assert again.rc == 0 and "already exists (READY)" in again.err
+    assert [c for c in again.calls if c[3] == "create"] == []
+
+
+def test_queued_resource_create_and_delete(tmp_path):
+    r = Launch(tmp_path, ["create", *BASE, "--project", "proj", "--accelerator-type", "v4-32", "--spot", "--queued"],
+               {"state": "NOT_FOUND"})
+    assert r.rc == 0, r.err
+    assert ["compute", "tpus", "queued-resources", "create", "pod", *SCOPE, "--project=proj", "--node-id=pod",
+            "--accelerator-type=v4-32", "--runtime-version=tpu-ubuntu2204-base", "--spot"] in r.calls
+    d = Launch(tmp_path, ["delete", *BASE])
+    assert d.rc == 0
+    assert [c for c in d.calls if c[3] == "delete"] == [
+        ["compute", "tpus", "queued-resources", "delete", "pod", *SCOPE, "--force", "--quiet"]]
+    again = Launch(tmp_path, ["delete", *BASE])
+    assert again.rc == 0 and "nothing to delete" in again.err
+    assert not any(c[3] == "delete" for c in again.calls)
+
+
+def test_setup_installs_on_every_worker_and_checks_versions_agree(tmp_path):
+    pkg = wheel(tmp_path, "0.1.0")
+    r = Launch(tmp_path, ["setup", *BASE, "--package", str(pkg)], {"workers": 3})
+    assert r.rc == 0, r.err
+    assert "ppgd-tpu 0.1.0 on all 3 workers" in r.err
+    path = '"$HOME/ppgd_tpu/dist/ppgd_tpu-0.1.0-py3-none-any.whl'
+    assert r.ssh("all") == ['mkdir -p "$HOME/ppgd_tpu/dist"',
+                            f'python3 -m pip install --upgrade {path}[tpu]" && '
+                            f'python3 -m pip install --no-deps --force-reinstall {path}"']
+    for w in range(3):
+        assert (r.state / f"worker-{w}/home/ppgd_tpu/dist" / pkg.name).exists()
+    bad = Launch(tmp_path, ["setup", *BASE, "--package", str(pkg)], {"workers": 3, "versions": {"2": "0.0.9"}})
+    assert bad.rc == 2
+    assert "workers disagree on the ppgd-tpu version: worker 0=0.1.0 worker 1=0.1.0 worker 2=0.0.9" in bad.err
+
+
+def test_setup_from_a_git_ref_quotes_the_requirement(tmp_path):
+    r = Launch(tmp_path, ["setup", *BASE, "--git-ref", "v0.1.0", "--git-url", "https://example.com/ppgd_tpu.git"],
+               {"workers": 2})
+    assert r.rc == 0, r.err
+    spec = "'ppgd-tpu[tpu] @ git+https://example.com/ppgd_tpu.git@v0.1.0'"
+    assert r.ssh("all") == [f"python3 -m pip install --upgrade {spec} && "
+                            f"python3 -m pip install --no-deps --force-reinstall {spec}"]
+    installs = [x["argv"] for x in r.remote if x["prog"] == "python3" and "install" in x["argv"]]
+    assert installs[0][-1] == "ppgd-tpu[tpu] @ git+https://example.com/ppgd_tpu.git@v0.1.0"
+
+
+# ------------------------------------------------------------------------- status / logs / stop
+
+def test_status_logs_and_stop(tmp_path):
+    assert Launch(tmp_path, ["run", *BASE, "--", "--decomp.steps=1"], {"workers": 2}).rc == 0
+    logs = Launch(tmp_path, ["logs", *BASE, "--worker", "1", "--lines", "5"])
+    assert logs.rc == 0 and logs.out == "fake train run 1 on worker 1: ok\n"
+    assert logs.ssh() == ['tail -n 5 "$HOME/ppgd_tpu/train.log"']
+    follow = Launch(tmp_path, ["logs", *BASE, "--worker", "0", "--follow", "--dry-run"])
+    assert follow.rc == 0 and follow.calls == [] and follow.out == (
+        "+ gcloud compute tpus tpu-vm ssh pod --zone=us-central2-b --worker=0 " + " ".join(SSH_FLAGS)
+        + """ '--command=tail -n 100 -F "$HOME/ppgd_tpu/train.log"'\n""")
+    status = Launch(tmp_path, ["status", *BASE], {"workers": 2})
+    assert status.rc == 0
+    assert status.out.splitlines() == ["TPU pod: READY, 2 worker(s)", "worker 0: idle", "worker 1: idle"]
+    stop = Launch(tmp_path, ["stop", *BASE], {"workers": 2})
+    assert stop.rc == 0 and len(stop.ssh("all")) == 1 and "sudo pkill -TERM" in stop.ssh("all")[0]
+    assert sorted(x["worker"] for x in stop.remote if x["argv"][:2] == ["pkill", "-TERM"]) == [0, 1]
