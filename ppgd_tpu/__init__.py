@@ -1,3 +1,10 @@
 """ppgd_tpu: rank-1 parameter decomposition of frozen networks (SPEC.md)."""
 
 __version__ = "0.1.0"
+
+
+def load_decomposition(run_dir: str):
+    """Final components of a run as numpy: {site: {"V": [d_in, C], "U": [C, d_out]}}."""
+    from ppgd_tpu.engine import load_decomposition as load
+
+    return load(run_dir)

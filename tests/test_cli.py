@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ppgd_tpu import cli
-from ppgd_tpu.engine import load_decomposition
+from ppgd_tpu import load_decomposition
 
 TINY = ["--decomp.steps=60", "--data.batch_size=64", "--eval.batch_size=256", "--eval.every=30",
         "--log.every=20", "--log.progress=false", "--eval.pgd_steps=2"]
