@@ -39,23 +39,23 @@ def bench_step(args: list[str]) -> int:
     state = trainer.init_state()
 
     t0 = time.perf_counter()
-    state, m = trainer.step_fn(state, target, trainer.batch(0))
+    state, m = trainer.replay.full(state, target, trainer.batch(0))
     jax.block_until_ready((state, m))
     compile_s = time.perf_counter() - t0
     for i in range(10):  # warm-up
-        state, m = trainer.step_fn(state, target, trainer.batch(i))
+        state, m = trainer.replay.full(state, target, trainer.batch(i))
     jax.block_until_ready(state)
 
     single = []
     for i in range(n):
         t = time.perf_counter()
-        state, m = trainer.step_fn(state, target, trainer.batch(i))
+        state, m = trainer.replay.full(state, target, trainer.batch(i))
         jax.block_until_ready((state, m))
         single.append(time.perf_counter() - t)
 
     t = time.perf_counter()
     for i in range(n):
-        state, m = trainer.step_fn(state, target, trainer.batch(i))
+        state, m = trainer.replay.full(state, target, trainer.batch(i))
     jax.block_until_ready((state, m))
     loop_s = (time.perf_counter() - t) / n
 

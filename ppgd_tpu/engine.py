@@ -21,6 +21,7 @@ from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu.config import Config
 from ppgd_tpu.data.toy import batch_key
 from ppgd_tpu.decomp.components import resolve_sites
+from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import Decomposer, TrainState
 from ppgd_tpu.targets import build as target_build
 from ppgd_tpu.workspace import DECOMPOSITION, FIGURES, RunDir
@@ -41,7 +42,7 @@ class Trainer:
         self.batch = jax.jit(lambda j: target.sample(batch_key(cfg.seed, j), B))
         self.eval_batch = target.sample(
             jax.random.fold_in(batch_key(cfg.seed, 0), eval_lib.EVAL_TAG), cfg.eval.batch_size)
-        self.step_fn = jax.jit(self.dec.full, donate_argnums=0)
+        self.replay = ReplayController(self.dec)
         self.fast_eval = jax.jit(lambda st, t, x: eval_lib.fast_metrics(self.dec, st, t, x))
         self.one_hot = jax.jit(lambda st, t: eval_lib.one_hot_ci(self.dec, st, t))
 
@@ -83,14 +84,22 @@ def train(cfg: Config, run_dir: str) -> dict:
     steps, k = cfg.decomp.steps, cfg.data.train_batch_replay
     progress = metrics_lib.Progress(steps, start, cfg.log.progress and jax.process_index() == 0)
     t_last, s_last = time.perf_counter(), start
+    if start % k:
+        trainer.replay.start_window(state, trainer.target, trainer.batch(start // k))
+    window = []  # device metrics of the steps since the last log (window statistics)
     for s in range(start, steps):
-        state, m = trainer.step_fn(state, trainer.target, trainer.batch(s // k))
+        state, m = trainer.replay.step(s, state, trainer.target, trainer.batch(s // k))
+        window.append(m)
         done = s + 1
         if done % cfg.log.every == 0 or done == steps:
-            values = metrics_lib.to_host(m)
+            window = [metrics_lib.to_host(w) for w in jax.device_get(window)]
+            values = dict(window[-1])
+            values.update(metrics_lib.window_stats(window))
+            values["train/replay/window_position"] = s % k
+            values["train/replay/ci_updated"] = int(trainer.replay.ci_updated(s))
             now = time.perf_counter()
             values["train/perf/step_time_s"] = (now - t_last) / (done - s_last)
-            t_last, s_last = now, done
+            t_last, s_last, window = now, done, []
             writer.write(done, values)
             progress.update(done - progress_pos(progress, start), values["train/loss/total"])
         if cfg.eval.every and done % cfg.eval.every == 0 and done != steps:

@@ -166,8 +166,14 @@ class Decomposer:
         env, vjp = jax.vjp(lambda f: envelope_of(f, state.components), state.ci_fn)
         return env, lambda g: (vjp(g)[0], None)
 
-    def _step(self, state: TrainState, target: Target, batch, env: Envelope | None):
-        """SPEC 6 with the CI fn live (env None) or replayed from `env` [W3]."""
+    def _step(self, state: TrainState, target: Target, batch, env: Envelope | None,
+              acc: Envelope | None = None, update_ci_from_acc: bool = False):
+        """SPEC 6 with the CI fn live (`env` None) or replayed from `env` [W3].
+
+        With `acc`, the envelope cotangent (fp32) is added to it; with `update_ci_from_acc`
+        the window-mean cotangent is pulled back through ONE CI-fn vjp and applied (the
+        `mean` mode's last step [W2]).
+        """
         cfg = self.cfg
         step = state.step
         key = jax.random.fold_in(self.run_key(), step)
@@ -201,11 +207,17 @@ class Decomposer:
             g = {s: x / term.coeff for s, x in g_src[name].items()}
             advs[name] = adv_lib.ascend(advs[name], g, term, lr)
 
+        if acc is not None:
+            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, g_env)
+        if update_ci_from_acc:
+            _, ci_vjp = self._envelope_vjp(state, target, batch)
+            k = cfg.data.train_batch_replay
+            g_env = jax.tree.map(lambda a, e: (a / k).astype(e.dtype), acc, env)
         g_ci = None
         if ci_vjp is not None:
             g_ci, g_comp_ci = ci_vjp(g_env)
-            if g_comp_ci is not None:  # the CI path into V (per_component_mlp, not detached)
-                g_comp = jax.tree.map(jnp.add, g_comp, g_comp_ci)
+            if g_comp_ci is not None and not update_ci_from_acc:
+                g_comp = jax.tree.map(jnp.add, g_comp, g_comp_ci)  # CI path into V
         lr_c = schedule_value(cfg.decomp.lr_components, step, self.steps)
         g_norm_c = global_norm(g_comp)
         g_comp = clip_by_global_norm(g_comp, cfg.decomp.grad_clip_components)
@@ -216,6 +228,7 @@ class Decomposer:
         metrics["train/grad_norms/summary/components"] = g_norm_c
         ci_fn, opt_ci = state.ci_fn, state.opt_ci_fn
         if g_ci is not None:
+            # [W4] unit-LR optimizer; the CI LR is the schedule at the GLOBAL step.
             lr_ci = schedule_value(cfg.decomp.lr_ci_fn, step, self.steps)
             ci_fn, opt_ci = apply_update(state.ci_fn, g_ci, state.opt_ci_fn, self.opt, lr_ci)
             g_norm_ci = global_norm(g_ci)
@@ -224,9 +237,47 @@ class Decomposer:
             metrics["train/grad_norms/summary/total"] = jnp.sqrt(g_norm_c ** 2 + g_norm_ci ** 2)
         new = TrainState(step=step + 1, components=comps, ci_fn=ci_fn, opt_components=opt_c,
                          opt_ci_fn=opt_ci, adversaries=advs)
-        return new, jax.lax.stop_gradient(env), metrics
+        return new, jax.lax.stop_gradient(env), acc, metrics
+
+    # ------------------------------------------------------------ the variants (SPEC 7)
 
     def full(self, state: TrainState, target: Target, batch):
-        """The plain step (SPEC 6)."""
-        new, _, metrics = self._step(state, target, batch, None)
+        """The plain step (SPEC 6): what `every` runs, bit for bit."""
+        new, _, _, metrics = self._step(state, target, batch, None)
         return new, metrics
+
+    def full_keep(self, state: TrainState, target: Target, batch):
+        """The plain step, also returning its envelope (`first` at t = 0)."""
+        new, env, _, metrics = self._step(state, target, batch, None)
+        return new, env, metrics
+
+    def compute_ci(self, target: Target, state: TrainState, batch) -> Envelope:
+        """An envelope from a plain CI forward: no vjp, no update."""
+        ci = self.ci(state.ci_fn, state.components, target, batch)
+        return jax.lax.stop_gradient(Envelope(_cast(ci.lower, self.dtype),
+                                              _cast(ci.upper, self.dtype)))
+
+    def repeat(self, model_env, state: TrainState, batch):
+        """[W3] a step on the cached envelope: no taps, no CI fn forward or backward; the CI
+        fn and its optimizer state pass through untouched. [W5] `model_env` = (target,
+        envelope) is the first argument so donating the others never frees it."""
+        target, env = model_env
+        new, _, _, metrics = self._step(state, target, batch, env)
+        return new, metrics
+
+    def mean_accum(self, model_env, state: TrainState, acc: Envelope, batch):
+        """`mean`, t < k-1: a repeat step that adds its envelope cotangent to `acc`."""
+        target, env = model_env
+        new, _, acc, metrics = self._step(state, target, batch, env, acc)
+        return new, acc, metrics
+
+    def mean_update(self, model_env, state: TrainState, acc: Envelope, batch):
+        """`mean`, t = k-1: the last repeat step, then ONE CI update with the window mean."""
+        target, env = model_env
+        new, _, _, metrics = self._step(state, target, batch, env, acc, update_ci_from_acc=True)
+        return new, metrics
+
+
+def zero_accumulator(env: Envelope) -> Envelope:
+    """The fp32 cotangent accumulator of a `mean` window."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), env)

@@ -32,8 +32,9 @@ def init(key, scope: str, leading: tuple[int, ...], C: dict[str, int]) -> Advers
     shape = scope_shape(scope, leading)
     src = {s: jax.random.uniform(jax.random.fold_in(key, i), (*shape, c + 1))
            for i, (s, c) in enumerate(C.items())}
-    zeros = {s: jnp.zeros_like(x) for s, x in src.items()}
-    return Adversary(sources=src, m=zeros, v=dict(zeros), step_count=jnp.float32(0.0))
+    m = {s: jnp.zeros_like(x) for s, x in src.items()}
+    v = {s: jnp.zeros_like(x) for s, x in src.items()}  # distinct buffers: state is donated
+    return Adversary(sources=src, m=m, v=v, step_count=jnp.float32(0.0))
 
 
 def ascend(adv: Adversary, grad: dict[str, jax.Array], cfg: PersistentPGDTerm, lr) -> Adversary:

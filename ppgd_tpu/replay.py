@@ -1,0 +1,76 @@
+"""The replay-window controller (SPEC 7): which step variant runs at each global step, and
+the envelope / accumulator lifecycle.
+
+Step s trains on data batch s // k; window position t = s mod k [W1]. Per mode [W2]:
+
+| mode  | t = 0                              | 0 < t < k-1 | t = k-1                    |
+|-------|------------------------------------|-------------|----------------------------|
+| every | full                               | full        | full                       |
+| first | full, keep its envelope            | repeat      | repeat                     |
+| last  | compute_ci, then repeat            | repeat      | full                       |
+| mean  | compute_ci, then accumulate        | accumulate  | accumulate + one CI update |
+
+Every variant donates the train state; repeat variants receive (model, envelope) as their
+first argument and spare it [W5]. A loop that starts mid-window rebuilds the envelope from
+the current CI fn (`start_window`); checkpoints make that rebuild exact [W6].
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ppgd_tpu.step import Decomposer, Envelope, TrainState, zero_accumulator
+
+
+class ReplayController:
+    def __init__(self, dec: Decomposer):
+        self.mode = dec.cfg.data.replay_ci_update
+        self.k = dec.cfg.data.train_batch_replay
+        self.full = jax.jit(dec.full, donate_argnums=0)
+        self.full_keep = jax.jit(dec.full_keep, donate_argnums=0)
+        self.compute_ci = jax.jit(dec.compute_ci)
+        self.repeat = jax.jit(dec.repeat, donate_argnums=1)
+        self.mean_accum = jax.jit(dec.mean_accum, donate_argnums=(1, 2))
+        # acc is not donated here: no output has its shape, so XLA could not reuse it.
+        self.mean_update = jax.jit(dec.mean_update, donate_argnums=1)
+        self.env: Envelope | None = None
+        self.acc: Envelope | None = None
+
+    def ci_updated(self, s: int) -> bool:
+        """Whether global step s updates the CI fn."""
+        t = s % self.k
+        return self.mode == "every" or (self.mode == "first" and t == 0) or (
+            self.mode in ("last", "mean") and t == self.k - 1)
+
+    def start_window(self, state: TrainState, target, batch) -> None:
+        """Rebuilds the window state when the loop starts at a step with t > 0."""
+        if self.mode == "every":
+            return
+        self.env = self.compute_ci(target, state, batch)
+        self.acc = zero_accumulator(self.env) if self.mode == "mean" else None
+
+    def step(self, s: int, state: TrainState, target, batch):
+        """Runs global step s; returns (state, device metrics)."""
+        t = s % self.k
+        if self.mode == "every":
+            return self.full(state, target, batch)
+        if self.mode == "first":
+            if t == 0:
+                state, self.env, m = self.full_keep(state, target, batch)
+                return state, m
+            return self.repeat((target, self.env), state, batch)
+        if t == 0:
+            self.env = self.compute_ci(target, state, batch)
+            if self.mode == "mean":
+                self.acc = zero_accumulator(self.env)
+        if self.mode == "last":
+            if t < self.k - 1:
+                return self.repeat((target, self.env), state, batch)
+            self.env = None
+            return self.full(state, target, batch)
+        if t < self.k - 1:
+            state, self.acc, m = self.mean_accum((target, self.env), state, self.acc, batch)
+            return state, m
+        state, m = self.mean_update((target, self.env), state, self.acc, batch)
+        self.env = self.acc = None
+        return state, m

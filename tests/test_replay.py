@@ -1,0 +1,204 @@
+"""Replay windows (SPEC 7) on the TMS toy: the step variants [W3], the controller's modes
+[W1, W2], the in-step CI LR [W4] and donation [W5]."""
+
+import dataclasses
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ppgd_tpu.config import Config, ConfigError, PersistentPGDTerm, Schedule, TMSConfig, load
+from ppgd_tpu.decomp.schedules import schedule_value
+from ppgd_tpu.replay import ReplayController
+from ppgd_tpu.step import Decomposer, Envelope
+from ppgd_tpu.targets import tms
+
+K = 4
+
+
+def _cfg(mode="every", k=K, ci_kind="per_component_mlp", ppgd=True):
+    cfg = Config()
+    terms = {"ppgd": PersistentPGDTerm(coeff=0.5, scope="bsc", n_warmup=1)} if ppgd else {}
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, batch_size=64, train_batch_replay=k,
+                                 replay_ci_update=mode),
+        loss=dataclasses.replace(cfg.loss, persistent_pgd=terms),
+        decomp=dataclasses.replace(
+            cfg.decomp, steps=40, sites={"*": 6},
+            ci_fn=dataclasses.replace(cfg.decomp.ci_fn, detach_inputs=True, kind=ci_kind),
+            lr_ci_fn=Schedule("cosine", 1e-2, warmup_steps=8, final_frac=0.1)))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tms.init(TMSConfig(), jax.random.key(0))
+
+
+def _setup(target, mode="every", ci_kind="per_component_mlp", ppgd=True):
+    cfg = _cfg(mode, ci_kind=ci_kind, ppgd=ppgd)
+    dec = Decomposer(cfg, target, (64, 5))
+    state = dec.init(target)
+    batch = target.sample(jax.random.key(7), 64)
+    return cfg, dec, state, batch
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _assert_same(a, b, **tol):
+    for x, y in zip(_leaves(a), _leaves(b), strict=True):
+        if tol:
+            np.testing.assert_allclose(x, y, **tol)
+        else:
+            np.testing.assert_array_equal(x, y)
+
+
+def test_W3_repeat_matches_full_for_components_and_adversary_and_spares_ci(target):
+    _, dec, state, batch = _setup(target)
+    full, _ = dec.full(state, target, batch)
+    env = dec.compute_ci(target, state, batch)
+    rep, metrics = dec.repeat((target, env), state, batch)
+    _assert_same(rep.components, full.components, rtol=1e-6, atol=1e-9)
+    _assert_same(rep.adversaries, full.adversaries, rtol=1e-6, atol=1e-9)
+    _assert_same(rep.ci_fn, state.ci_fn)  # bit-untouched
+    _assert_same(rep.opt_ci_fn, state.opt_ci_fn)
+    assert "train/grad_norms/summary/ci_fn" not in metrics  # absent when the CI fn is not updated
+    assert "train/loss/imp_min" in metrics  # still evaluated from the cached upper
+
+
+def test_compute_ci_equals_the_full_step_envelope(target):
+    _, dec, state, batch = _setup(target)
+    _, env, _ = dec.full_keep(state, target, batch)
+    _assert_same(dec.compute_ci(target, state, batch), env, rtol=1e-6, atol=1e-7)
+
+
+def _run(target, mode, steps, ci_kind="per_component_mlp", ppgd=True):
+    cfg, dec, state, batch = _setup(target, mode, ci_kind, ppgd)
+    ctl = ReplayController(dec)
+    state = jax.jit(dec.init)(target)  # distinct buffers, as the engine makes them
+    states, metrics = [], []
+    for s in range(steps):
+        states.append(jax.tree.map(jnp.copy, state))  # the controller donates `state`
+        state, m = ctl.step(s, state, target, target.sample(jax.random.key(s // K), 64))
+        metrics.append(jax.device_get(m))
+    return dec, state, states, metrics
+
+
+def test_W2_last_follows_first_on_components_and_sources_and_its_update_is_a_plain_step(target):
+    _, _, first_states, _ = _run(target, "first", K)
+    dec, last_end, last_states, _ = _run(target, "last", K)
+    # before any CI update both modes use the pre-window envelope: same V/U/source trajectory
+    # up to the last step of the window, where `last` trains the CI fn
+    for t in range(1, K):
+        _assert_same(last_states[t].components, first_states[t].components, rtol=1e-6, atol=1e-9)
+        _assert_same(last_states[t].adversaries, first_states[t].adversaries, rtol=1e-6,
+                     atol=1e-9)
+    # its CI update equals a plain step's at the same pre-step state
+    plain, _ = dec.full(last_states[K - 1], target, target.sample(jax.random.key(0), 64))
+    _assert_same(last_end.ci_fn, plain.ci_fn, rtol=1e-6, atol=1e-9)
+    _assert_same(last_end.components, plain.components, rtol=1e-6, atol=1e-9)
+
+
+def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target):
+    # A CI fn that reads taps only: its envelope is exactly the same at every step of the
+    # window (the per-component family also reads V, which moves inside the window).
+    dec, mean_end, states, metrics = _run(target, "mean", K, ci_kind="per_site_mlp", ppgd=False)
+    batch = target.sample(jax.random.key(0), 64)
+    mu = lambda st: _leaves(st.opt_ci_fn[0].mu)  # fresh Adam: first moment = (1 - b1) g
+
+    # SPEC 7: the window-mean envelope cotangent pulled back through ONE CI-fn vjp. Build it
+    # from the pieces: per-step cotangents d loss / d envelope at each pre-step state.
+    env = dec.compute_ci(target, states[0], batch)
+    clean = target.clean_output(batch)
+    cots = []
+    for st in states:
+        key = jax.random.fold_in(dec.run_key(), st.step)
+        loss = lambda e: dec._losses(key, st.step, target, batch, clean, st.components, {}, e)[0]
+        cots.append(jax.grad(loss)(env))
+    mean_cot = jax.tree.map(lambda *xs: sum(xs) / K, *cots)
+    def envelope_of(ci_fn):
+        ci = dec.ci(ci_fn, states[-1].components, target, batch)
+        return Envelope(ci.lower, ci.upper)
+
+    _, vjp = jax.vjp(envelope_of, states[-1].ci_fn)
+    want = [0.1 * x for x in _leaves(vjp(mean_cot)[0])]
+    for got, w in zip(mu(mean_end), want):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+
+    # ... which is the mean of the k per-step CI gradients up to the one non-linearity of
+    # the pull-back: lower_leaky_hard's backward at x <= 0 depends on the cotangent's sign [S6].
+    per_step = [mu(dec.full(st, target, batch)[0]) for st in states]
+    for got, *ps in zip(mu(mean_end), *per_step):
+        np.testing.assert_allclose(got, np.mean(ps, 0), atol=1e-2 * np.abs(got).max())
+        assert not np.allclose(got, ps[0], atol=1e-2 * np.abs(got).max())  # not one step's
+    assert int(mean_end.opt_ci_fn[0].count) == 1  # ONE update per window
+    assert ["train/grad_norms/summary/ci_fn" in m for m in metrics] == [False] * (K - 1) + [True]
+
+
+@pytest.mark.parametrize("mode", ["first", "last", "mean"])
+def test_W4_ci_lr_is_the_schedule_at_the_global_step(target, mode):
+    cfg = _cfg(mode)
+    dec, _, states, metrics = _run(target, mode, 3 * K)
+    updated = [s for s, m in enumerate(metrics) if "train/lr/ci_fn" in m]
+    assert len(updated) == 3
+    for s in updated:
+        want = float(schedule_value(cfg.decomp.lr_ci_fn, s, cfg.decomp.steps))
+        assert metrics[s]["train/lr/ci_fn"] == pytest.approx(want, rel=1e-6)
+        assert s % K == (0 if mode == "first" else K - 1)
+    # the first Adam update moves each parameter by about lr(s) (not lr(update count))
+    s = updated[0]
+    before = states[s].ci_fn.b2["linear1"]
+    after = (states[s + 1] if s + 1 < len(states) else None)
+    if after is not None:
+        delta = np.abs(np.asarray(after.ci_fn.b2["linear1"] - before))
+        lr = float(schedule_value(cfg.decomp.lr_ci_fn, s, cfg.decomp.steps))
+        assert np.median(delta) == pytest.approx(lr, rel=0.05)
+
+
+def test_W1_every_is_bitwise_the_plain_step(target):
+    _, dec, _, _ = _setup(target, "every")
+    plain = jax.jit(dec.full, donate_argnums=0)
+    _, ctl_end, _, _ = _run(target, "every", 3)
+    s = jax.jit(dec.init)(target)
+    for i in range(3):
+        s, _ = plain(s, target, target.sample(jax.random.key(i // K), 64))
+    _assert_same(ctl_end, s)
+
+
+def test_W5_no_unusable_donation_and_repeat_peak_memory_not_above_full(target):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mode in ("first", "last", "mean"):
+            _run(target, mode, K + 1)
+    donated = [str(w.message) for w in caught if "donat" in str(w.message).lower()]
+    assert donated == []
+    _, dec, state, batch = _setup(target)
+    env = dec.compute_ci(target, state, batch)
+    full = jax.jit(dec.full, donate_argnums=0).lower(state, target, batch).compile()
+    rep = jax.jit(dec.repeat, donate_argnums=1).lower((target, env), state, batch).compile()
+    assert rep.memory_analysis().temp_size_in_bytes <= full.memory_analysis().temp_size_in_bytes
+
+
+def test_refused_replay_configs():
+    with pytest.raises(ConfigError, match="needs data.train_batch_replay >= 2"):
+        load(None, {"data.replay_ci_update": "mean"})
+    with pytest.raises(ConfigError, match="decomp.ci_fn.detach_inputs: must be true"):
+        load(None, {"data.replay_ci_update": "first", "data.train_batch_replay": "4"})
+    with pytest.raises(ConfigError, match="multiple of data.train_batch_replay"):
+        load(None, {"data.train_batch_replay": "3"})
+    ok = load(None, {"data.replay_ci_update": "first", "data.train_batch_replay": "4",
+                     "decomp.ci_fn.detach_inputs": "true"})
+    assert ok.data.replay_ci_update == "first"
+
+
+def test_optimizer_state_structure_is_the_same_in_every_mode(target):
+    structs = set()
+    for mode in ("every", "first", "last", "mean"):
+        _, _, state, _ = _setup(target, mode)
+        structs.add(jax.tree.structure(state))
+    assert len(structs) == 1
