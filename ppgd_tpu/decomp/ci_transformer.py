@@ -114,8 +114,8 @@ def partition(sites, blocks_per_chunk: int, taps: str):
 
 def _check_homogeneous(chunks, chunk_taps, d_in, C):
     def signature(k):
-        return {"tap widths": tuple(d_in[t] for t in chunk_taps[k]),
-                "site count": len(chunks[k]),
+        return {"site count": len(chunks[k]),
+                "tap widths": tuple(d_in[t] for t in chunk_taps[k]),
                 "C per position": tuple(C[s] for s in chunks[k])}
 
     ref = signature(0)

@@ -127,10 +127,12 @@ class LlamaSimpleMLP(Target):
         """[S4] `resid.{L}` and site inputs, clean path, gradient-stopped; the forward stops
         after the last layer a wanted tap lives in."""
         wanted = tuple(wanted)
-        last = max(_layer_of(k) for k in wanted)
-        if last >= len(self.blocks):
-            raise ValueError(f"tap layer {last} is out of range: the LM has "
-                             f"{len(self.blocks)} layers")
+        layers = {k: _layer_of(k) for k in wanted}
+        for k, L in layers.items():
+            if L >= len(self.blocks):
+                raise ValueError(f"tap {k!r}: layer {L} is out of range (the LM has "
+                                 f"{len(self.blocks)} layers)")
+        last = max(layers.values())
         taps = {}
 
         def record(name, x, W):
