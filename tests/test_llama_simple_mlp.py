@@ -208,7 +208,7 @@ def test_remat_matches_plain_values_and_gradients():
     def loss(c, target):
         return target.divergence(target.masked_forward(x, c, masks), target.clean_output(x))
 
-    v0, g0 = jax.value_and_grad(loss)(comps, t)
+    v0, g0 = jax.jit(jax.value_and_grad(loss))(comps, t)
     v1, g1 = jax.jit(jax.value_and_grad(loss))(comps, tr)
     np.testing.assert_allclose(v0, v1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
