@@ -79,7 +79,6 @@ class LMPretrainConfig:
     final_lr_frac: float = _f(0.1, "end lr as a fraction of lr", lo=0.0, hi=1.0)
     weight_decay: float = _f(0.1, "AdamW weight decay (matrices only; norms are not decayed)", lo=0.0)
     grad_clip: float = _f(1.0, "global-norm gradient clip (0 = none)", lo=0.0)
-    seed: int = _f(0, "init and batch-order seed")
     eval_rows: int = _f(64, "store rows held out (the first ones) for the eval loss", lo=1)
     eval_batches: int = _f(4, "eval batches per eval (of batch_size rows, cycling the held-out rows)", lo=1)
     eval_every: int = _f(500, "eval cadence in steps (and at the end)", lo=1)
