@@ -23,7 +23,7 @@ USAGE = """usage: ppgd-tpu <command> [flags]
 
 commands:
   train     decompose a target (no --config: the embedded TMS 5-2 default)
-  pretrain  train a toy target and save it (safetensors + config)
+  pretrain  train a toy target, or an LM on a token store (--store); save safetensors
   bench     benchmarks: `bench step --config ...`
   tokenize  pack documents into a token store
   ckpt      checkpoint tools: ls | digest | verify
@@ -116,6 +116,12 @@ def cmd_pretrain(args: list[str]) -> int:
     import os
 
     from ppgd_tpu.targets import build
+
+    base = config_lib.load(_split_value(args, "config"))
+    if (_split_value(args, "target.kind") or base.target.kind) == "llama_simple_mlp":
+        from ppgd_tpu.targets import lm_pretrain
+
+        return lm_pretrain.main(args)  # an LM trains on a token store (--store)
 
     cfg, extra = parse_config_args(args, {"output": ("", "safetensors path (default: "
                                                      "runs/targets/<kind>-<seed>.safetensors)")})

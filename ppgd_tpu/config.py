@@ -71,21 +71,77 @@ class ResidMLPConfig:
 
 
 @dataclass(frozen=True)
+class LMPretrainConfig:
+    """Pretraining of the LM target on a token store (`ppgd-tpu pretrain --store`)."""
+
+    steps: int = _f(5000, "optimizer steps", lo=1)
+    batch_size: int = _f(32, "rows per step (each row: seq_len - 1 predicted tokens)", lo=1)
+    lr: float = _f(3e-3, "peak AdamW lr (linear warmup, then cosine to lr * final_lr_frac)", lo=0.0)
+    warmup_steps: int = _f(100, "linear lr warmup steps", lo=0)
+    final_lr_frac: float = _f(0.1, "end lr as a fraction of lr", lo=0.0, hi=1.0)
+    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only; norms are not decayed)", lo=0.0)
+    grad_clip: float = _f(1.0, "global-norm gradient clip (0 = none)", lo=0.0)
+    eval_rows: int = _f(64, "store rows held out (the first ones) for the eval loss", lo=1)
+    eval_batches: int = _f(4, "eval batches per eval (of batch_size rows, cycling the held-out rows)", lo=1)
+    eval_every: int = _f(500, "eval cadence in steps (and at the end)", lo=1)
+    log_every: int = _f(50, "metrics.jsonl cadence in steps", lo=1)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """LlamaSimpleMLP: tied embedding, pre-RMSNorm, RoPE GQA (causal), c_fc -> GELU -> down_proj."""
+
+    vocab_size: int = _f(384, "token ids [0, vocab_size) (384 = the byte tokenizer)", lo=1)
+    d_model: int = _f(128, "residual width", lo=1)
+    n_layers: int = _f(2, "transformer blocks", lo=1)
+    n_heads: int = _f(4, "query heads (head_dim = d_model / n_heads, even)", lo=1)
+    n_kv_heads: int = _f(2, "key/value heads (divides n_heads; grouped-query attention)", lo=1)
+    d_mlp: int = _f(512, "MLP hidden width", lo=1)
+    max_seq_len: int = _f(512, "longest sequence the target accepts", lo=1)
+    rope_base: float = _f(10000.0, "rotary base theta", lo=1.0)
+    remat: bool = _f(False, "rematerialize each block in the backward (memory for compute)")
+    pretrain: LMPretrainConfig = _f(factory=LMPretrainConfig, help="LM pretraining")
+
+    def __post_init__(self):
+        where = "target.llama_simple_mlp"
+        if self.n_heads and self.d_model % self.n_heads:
+            raise ConfigError(f"{where}.n_heads: {self.n_heads} does not divide d_model "
+                              f"{self.d_model}")
+        if self.n_heads and (self.d_model // self.n_heads) % 2:
+            raise ConfigError(f"{where}.n_heads: head_dim d_model / n_heads = "
+                              f"{self.d_model // self.n_heads} must be even (rotary pairs)")
+        if self.n_kv_heads and self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"{where}.n_kv_heads: {self.n_kv_heads} must divide n_heads "
+                              f"{self.n_heads}")
+
+
+@dataclass(frozen=True)
 class TargetConfig:
-    kind: Literal["tms", "resid_mlp"] = _f("tms", "which frozen target")
+    kind: Literal["tms", "resid_mlp", "llama_simple_mlp"] = _f("tms", "which frozen target")
     seed: int = _f(0, "target pretraining seed (the target is a pure function of its config)")
     path: str = _f("", "safetensors weights to load; empty = train from this config and cache")
     tms: TMSConfig = _f(factory=TMSConfig, help="TMS target")
     resid_mlp: ResidMLPConfig = _f(factory=ResidMLPConfig, help="ResidMLP target")
+    llama_simple_mlp: LlamaConfig = _f(factory=LlamaConfig,
+                                       help="LlamaSimpleMLP LM target (loaded from path)")
 
 
 @dataclass(frozen=True)
 class CIFnConfig:
-    kind: Literal["per_component_mlp", "per_site_mlp", "global_mlp"] = _f(
+    kind: Literal["per_component_mlp", "per_site_mlp", "global_mlp", "chunkwise_transformer"] = _f(
         "per_component_mlp", "CI function family (SPEC 3)")
     hidden: int = _f(16, "hidden width of the CI MLPs", lo=1)
     detach_inputs: bool = _f(False, "per_component_mlp: stop CI gradients into V (the SPD "
                              "reference lets them through; replay modes need true)")
+    d_model: int = _f(128, "chunkwise_transformer: width of each chunk's transformer", lo=2)
+    n_blocks: int = _f(2, "chunkwise_transformer: blocks per chunk transformer", lo=1)
+    n_heads: int = _f(4, "chunkwise_transformer: attention heads (d_model / n_heads even)", lo=1)
+    d_mlp: int = _f(512, "chunkwise_transformer: MLP hidden width", lo=1)
+    blocks_per_chunk: int = _f(1, "chunkwise_transformer: consecutive target layers per chunk", lo=1)
+    taps: Literal["resid", "site_inputs"] = _f(
+        "resid", "chunkwise_transformer input: resid.{L} of the chunk's layers, or each "
+        "site's input")
+    remat: bool = _f(False, "chunkwise_transformer: rematerialize each block in the backward")
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ class Decomposer:
         weights = target.site_weights()
         self.C = comp_lib.resolve_sites(cfg.decomp.sites, tuple(weights))
         self.sites = tuple(self.C)  # canonical order; dict order inside jit is sorted
-        self.d_in = {s: weights[s].shape[0] for s in self.sites}
+        self.d_in = target.tap_widths()  # every tap a CI fn may read, site inputs included
         self.leading = target.leading_shape(tuple(batch_shape))
         self.steps = cfg.decomp.steps
         self.opt = adamw(cfg.decomp.weight_decay)

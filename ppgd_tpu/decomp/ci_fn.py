@@ -135,7 +135,12 @@ class GlobalMLP(eqx.Module):
 
 
 def init(cfg: CIFnConfig, key, d_in: dict[str, int], C: dict[str, int]):
-    """CI fn of family `cfg.kind` for sites `C` (canonical order) with input widths `d_in`."""
+    """CI fn of family `cfg.kind` for sites `C` (canonical order) with input widths `d_in`
+    (tap name -> width: every site's input, plus the target's other taps such as `resid.{L}`)."""
+    if cfg.kind == "chunkwise_transformer":
+        from ppgd_tpu.decomp import ci_transformer
+
+        return ci_transformer.init(cfg, key, d_in, C)
     h = cfg.hidden
     sites = tuple(C)
     ks = {s: jax.random.split(jax.random.fold_in(key, i), 2) for i, s in enumerate(sites)}

@@ -91,6 +91,10 @@ class Target(eqx.Module):
 
         return self.forward(inputs, fn)
 
+    def tap_widths(self) -> dict[str, int]:
+        """{tap: width} of every tap `read_activations` offers (toys: each site's input)."""
+        return {s: W.shape[0] for s, W in self.site_weights().items()}
+
     def divergence(self, masked, clean):
         """Recon divergence (SPEC 4): MSE for toys; sequence targets override with KL [S25]."""
         return mse(masked, clean)

@@ -24,10 +24,11 @@ from absl import logging
 from safetensors.numpy import load_file, save_file
 
 from ppgd_tpu.config import ConfigError, TargetConfig, to_dict
-from ppgd_tpu.targets import resid_mlp, tms
+from ppgd_tpu.targets import llama_simple_mlp, resid_mlp, tms
 from ppgd_tpu.targets.base import Target
 
-KINDS: dict[str, ModuleType] = {"tms": tms, "resid_mlp": resid_mlp}
+KINDS: dict[str, ModuleType] = {"tms": tms, "resid_mlp": resid_mlp,
+                                "llama_simple_mlp": llama_simple_mlp}
 
 
 class TargetError(ValueError):
@@ -123,6 +124,8 @@ def build(cfg: TargetConfig) -> Target:
     """The frozen, validated target of `cfg`: from target.path, the cache, or pretraining."""
     if cfg.path:
         target = load(cfg, cfg.path)
+    elif hasattr(KINDS[cfg.kind], "NEEDS_PATH"):
+        raise ConfigError(KINDS[cfg.kind].NEEDS_PATH)
     else:
         path = cache_path(cfg)
         if os.path.exists(path):

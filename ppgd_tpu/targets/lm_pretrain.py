@@ -1,0 +1,144 @@
+"""`ppgd-tpu pretrain` for the LM target: next-token training on a token store.
+
+The LM is a pure function of (target config, token store): init from `target.seed`, AdamW
+with linear warmup + cosine decay, global-norm clipping, next-token cross-entropy on rows
+of the store in the order of the batch schedule (batch j a pure function of (seed, j)).
+The first `eval_rows` rows are held out; the eval loss on them is logged at step 0, every
+`eval_every` steps and at the end. Progress goes to the console and `<output stem>
+.metrics.jsonl`; the weights go to a safetensors file (tensor names = state-dict names,
+target config in the metadata) that `build.load` reads back as `target.path`.
+Single-process: every process of a multi-host launch would train the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from ppgd_tpu import metrics as metrics_lib
+from ppgd_tpu.config import ConfigError, TargetConfig
+from ppgd_tpu.data.schedule import train_eval_schedules
+from ppgd_tpu.data.tokens import IncompleteStoreError, TokenStore
+from ppgd_tpu.targets import build
+from ppgd_tpu.targets import llama_simple_mlp as lm
+
+
+def next_token_loss(target: lm.LlamaSimpleMLP, rows):
+    """Mean cross-entropy of predicting rows[:, 1:] from rows[:, :-1], fp32."""
+    logits = target.forward(rows[:, :-1], lambda _, x, W: x @ W).astype(jnp.float32)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]))
+
+
+def metrics_path(output: str) -> str:
+    return os.path.splitext(output)[0] + ".metrics.jsonl"
+
+
+def _optimizer(cfg: TargetConfig) -> optax.GradientTransformation:
+    pc = cfg.llama_simple_mlp.pretrain
+    lr = optax.warmup_cosine_decay_schedule(0.0, pc.lr, pc.warmup_steps, pc.steps,
+                                            end_value=pc.lr * pc.final_lr_frac)
+    decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # not the norm gains
+    opt = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=pc.weight_decay, mask=decay)
+    return optax.chain(optax.clip_by_global_norm(pc.grad_clip), opt) if pc.grad_clip > 0 else opt
+
+
+def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
+                progress: bool = True) -> dict:
+    """Trains the LM of `cfg` on the store at `store_path`, saves it to `output`; returns
+    the final {"train/loss", "eval/loss", ...}."""
+    if cfg.kind != "llama_simple_mlp":
+        raise ConfigError(f"target.kind: {cfg.kind!r} is not an LM; lm_pretrain trains "
+                          "'llama_simple_mlp' (toy targets pretrain without a store)")
+    lcfg, pc = cfg.llama_simple_mlp, cfg.llama_simple_mlp.pretrain
+    if pc.warmup_steps >= pc.steps:
+        raise ConfigError(f"target.llama_simple_mlp.pretrain.warmup_steps: {pc.warmup_steps} "
+                          f"must be < steps ({pc.steps})")
+    try:
+        store = TokenStore.open(store_path)
+    except IncompleteStoreError as e:
+        raise ConfigError(f"--store: {e}") from None
+    lm.check_tokens(lcfg, store.vocab_size, store.seq_len - 1, f"the token store at {store_path}")
+    if not pc.eval_rows < store.n_rows - pc.batch_size + 1:
+        raise ConfigError(
+            f"target.llama_simple_mlp.pretrain.eval_rows: {pc.eval_rows} held-out rows leave "
+            f"fewer than one batch ({pc.batch_size}) of the store's {store.n_rows} rows")
+    train, held_out = train_eval_schedules(
+        store.n_rows, train_batch=pc.batch_size, train_seed=cfg.seed,
+        eval_batch=min(pc.batch_size, pc.eval_rows), eval_seed=cfg.seed + 1,
+        eval_rows=pc.eval_rows)
+    eval_rows = [jnp.asarray(store.read_rows(held_out.rows(j)), jnp.int32)
+                 for j in range(pc.eval_batches)]
+
+    target = lm.init(lcfg, jax.random.key(cfg.seed))
+    opt = _optimizer(cfg)
+    opt_state = opt.init(target)
+
+    @eqx.filter_jit
+    def step(target, opt_state, rows):
+        loss, grads = eqx.filter_value_and_grad(next_token_loss)(target, rows)
+        updates, opt_state = opt.update(grads, opt_state, target)
+        return eqx.apply_updates(target, updates), opt_state, loss, optax.tree.norm(grads)
+
+    eval_loss = eqx.filter_jit(next_token_loss)
+
+    def evaluate(target):
+        return float(np.mean([eval_loss(target, rows) for rows in eval_rows]))
+
+    path = metrics_path(output)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    bar = metrics_lib.Progress(pc.steps, 0, progress)
+    summary: dict = {}
+    with open(path, "w") as log:
+        def write(values):
+            log.write(json.dumps(values) + "\n")
+            log.flush()
+
+        write({"step": 0, "eval/loss": evaluate(target)})
+        for s in range(pc.steps):
+            rows = jnp.asarray(store.read_rows(train.rows(s)), jnp.int32)
+            target, opt_state, loss, gnorm = step(target, opt_state, rows)
+            done = s + 1
+            if done % pc.log_every == 0 or done == pc.steps:
+                summary = {"step": done, "train/loss": float(loss),
+                           "train/grad_norm": float(gnorm),
+                           "train/epoch": train.epoch(s)}
+                write(summary)
+                bar.update(pc.log_every if done % pc.log_every == 0 else done % pc.log_every,
+                           summary["train/loss"])
+                logging.info("pretrain step %d: loss %.4f", done, summary["train/loss"])
+            if done % pc.eval_every == 0 or done == pc.steps:
+                ev = {"step": done, "eval/loss": evaluate(target)}
+                write(ev)
+                summary.update(ev)
+                logging.info("pretrain step %d: eval loss %.4f", done, ev["eval/loss"])
+    bar.close()
+    build.check(target, cfg)
+    build.save(target, cfg, output)
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    """`ppgd-tpu pretrain --config C --store STORE [--output PATH] [--<field>=V ...]` for an
+    LM target (argv excludes the program and subcommand names)."""
+    from ppgd_tpu.cli import UsageError, parse_config_args
+
+    cfg, extra = parse_config_args(argv, {
+        "store": ("", "token store (from `ppgd-tpu tokenize`) to train the LM on"),
+        "output": ("", "safetensors path (default runs/targets/<kind>-<seed>.safetensors)")})
+    if not extra["store"]:
+        raise UsageError("--store: required for an LM target (a token store made by "
+                         "`ppgd-tpu tokenize`)")
+    out = extra["output"] or os.path.join("runs", "targets",
+                                          f"{cfg.target.kind}-{cfg.target.seed}.safetensors")
+    summary = pretrain_lm(cfg.target, extra["store"], out, progress=cfg.log.progress)
+    print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
+    print(f"saved the {cfg.target.kind} target to {out} (metrics: {metrics_path(out)}); use it "
+          f"with --target.path={out}")
+    return 0

@@ -1,0 +1,159 @@
+"""The chunkwise-transformer CI fn (SPEC 3) and a full Decomposer step on a tiny LM."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ppgd_tpu.config import CIFnConfig, Config, ConfigError, LlamaConfig, from_dict
+from ppgd_tpu.decomp import ci_fn as ci_lib
+from ppgd_tpu.decomp import ci_transformer
+from ppgd_tpu.step import Decomposer
+from ppgd_tpu.targets import llama_simple_mlp as lm
+
+LM = LlamaConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=24,
+                 max_seq_len=8)
+CI = CIFnConfig(kind="chunkwise_transformer", d_model=16, n_blocks=2, n_heads=2, d_mlp=32)
+B, T = 2, 6
+
+
+def _target(cfg=LM):
+    return lm.init(cfg, jax.random.key(0))
+
+
+def _tokens(seed=1):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, LM.vocab_size)
+
+
+@jax.jit
+def _apply(f, taps):
+    return f(taps, None)
+
+
+def _ci(cfg=CI, C=None, target=None):
+    t = target or _target()
+    C = C or {s: 3 for s in t.site_names}
+    return ci_lib.init(cfg, jax.random.key(2), t.tap_widths(), C), t
+
+
+@pytest.mark.parametrize("taps", ["resid", "site_inputs"])
+def test_logits_per_site_and_taps(taps):
+    f, t = _ci(dataclasses.replace(CI, taps=taps), C={s: 3 + (i % 6) for i, s in
+                                                     enumerate(_target().site_names)})
+    if taps == "resid":
+        assert f.input_names == ("resid.0", "resid.1")
+    else:
+        assert f.input_names == t.site_names
+    assert f.chunks == (t.site_names[:6], t.site_names[6:])
+    out = _apply(f, t.read_activations(_tokens(), f.input_names))
+    assert set(out) == set(t.site_names)
+    for i, s in enumerate(t.site_names):
+        assert out[s].shape == (B, T, 3 + i % 6)
+    # Chunks are independent: chunk 1's logits do not depend on chunk 0's taps.
+    taps_ = t.read_activations(_tokens(), f.input_names)
+    first = f.chunk_taps[0][0]
+    moved = _apply(f, dict(taps_, **{first: taps_[first] * 3 + 1}))
+    assert not np.allclose(moved[t.site_names[0]], out[t.site_names[0]])
+    np.testing.assert_array_equal(moved[t.site_names[6]], out[t.site_names[6]])
+
+
+def test_blocks_per_chunk_groups_layers():
+    t = _target(dataclasses.replace(LM, n_layers=4))
+    f, _ = _ci(dataclasses.replace(CI, blocks_per_chunk=2, taps="resid"), target=t)
+    assert len(f.chunks) == 2 and f.chunks[0] == t.site_names[:12]
+    assert f.chunk_taps == (("resid.0", "resid.1"), ("resid.2", "resid.3"))
+    assert f.params.w_in.shape == (2, 2 * LM.d_model, CI.d_model)
+
+
+def test_attention_is_bidirectional():
+    """A later token changes the CI of an earlier position (the CI fn is not causal)."""
+    f, t = _ci(dataclasses.replace(CI, taps="resid"))
+    x = _tokens()
+    y = x.at[:, -1].set((x[:, -1] + 1) % LM.vocab_size)
+    a = _apply(f, t.read_activations(x, f.input_names))["h.0.attn.q_proj"]
+    b = _apply(f, t.read_activations(y, f.input_names))["h.0.attn.q_proj"]
+    assert np.abs(np.asarray(a[:, 0] - b[:, 0])).max() > 1e-6
+
+
+def test_chunk_homogeneity_is_checked_at_init_naming_the_chunk():
+    t = _target(dataclasses.replace(LM, n_layers=3))
+    names = t.site_names
+    with pytest.raises(ConfigError, match=r"chunk 1 \(h\.1\..*C per position"):
+        _ci(C={s: 3 if s.startswith("h.0") else 4 for s in names}, target=t)
+    with pytest.raises(ConfigError, match=r"chunk 1 .*site count"):
+        _ci(C={s: 3 for s in names if not s.startswith("h.1.mlp")}, target=t)
+    with pytest.raises(ConfigError, match=r"chunk 1 \(h\.1\.mlp\.c_fc\).*tap widths: \(16,\) "
+                                          r"vs \(24,\)"):
+        _ci(dataclasses.replace(CI, taps="site_inputs"),
+            C={"h.0.mlp.down_proj": 3, "h.1.mlp.c_fc": 3}, target=t)
+    with pytest.raises(ConfigError, match=r"chunk 1 \(h\.2\..*site count"):
+        _ci(dataclasses.replace(CI, blocks_per_chunk=2), target=t)  # 3 layers, chunks of 2
+    with pytest.raises(ConfigError, match="decomp.ci_fn.n_heads"):
+        _ci(dataclasses.replace(CI, n_heads=3))
+    with pytest.raises(ConfigError, match="resid.0"):
+        ci_lib.init(dataclasses.replace(CI, taps="resid"), jax.random.key(0),
+                    {s: w.shape[0] for s, w in t.site_weights().items()}, {names[0]: 3})
+
+
+def test_S27_inv_freq_gets_no_gradient_and_params_train():
+    """Every parameter gets a finite, nonzero gradient; RoPE frequencies are not parameters."""
+    f, t = _ci(dataclasses.replace(CI, taps="resid"))
+    taps = t.read_activations(_tokens(), f.input_names)
+    g = jax.jit(jax.grad(lambda f: sum(jnp.sum(v ** 2) for v in f(taps, None).values())))(f)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(g):
+        assert np.all(np.isfinite(leaf)) and np.abs(np.asarray(leaf)).max() > 0, path
+    # inv_freq is derived from constants inside the call, never a leaf of the CI fn.
+    assert all(leaf.ndim >= 2 for leaf in jax.tree.leaves(f.params.blocks))
+
+
+def test_remat_matches_plain():
+    f, t = _ci(dataclasses.replace(CI, taps="resid"))
+    fr, _ = _ci(dataclasses.replace(CI, taps="resid", remat=True))
+    taps = t.read_activations(_tokens(), f.input_names)
+    loss = lambda f: sum(jnp.sum(jnp.sin(v)) for v in f(taps, None).values())
+    (v0, g0), (v1, g1) = jax.jit(jax.value_and_grad(loss))(f), jax.jit(jax.value_and_grad(loss))(fr)
+    np.testing.assert_allclose(v0, v1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_parameter_count_follows_the_config():
+    """Size is set by config (d_model, n_blocks, d_mlp), so a run can size the CI fn at ~10x
+    the target: K * (D_in d + n (4 d^2 + 2 d d_mlp + 2 d) + d + sum_s (d + 1) C_s)."""
+    cfg = dataclasses.replace(CI, d_model=32, n_blocks=3, n_heads=4, d_mlp=48, taps="resid")
+    t = _target()
+    C = {s: 2 + i % 6 for i, s in enumerate(t.site_names)}
+    f = jax.eval_shape(lambda: ci_lib.init(cfg, jax.random.key(0), t.tap_widths(), C))
+    d, n, m = 32, 3, 48
+    per_chunk = LM.d_model * d + n * (4 * d * d + 2 * d * m + 2 * d) + d + sum(
+        (d + 1) * C[s] for s in t.site_names[:6])
+    assert ci_transformer.n_params(f) == 2 * per_chunk
+
+
+@pytest.mark.parametrize("scope", ["bsc", "sc"])
+def test_decomposer_full_step_on_tiny_lm(scope):
+    """SPEC 6 on the LM: chunkwise CI fn + a persistent-PGD term; loss finite, V/U, CI fn and
+    sources all move; sources are [B,T,C+1] (bsc) or [1,T,C+1] (sc)."""
+    cfg = from_dict(Config, {
+        "target": {"kind": "llama_simple_mlp"},
+        "decomp": {"sites": {"*": 3}, "steps": 10,
+                   "ci_fn": {"kind": "chunkwise_transformer", "d_model": 16, "n_blocks": 1,
+                             "n_heads": 2, "d_mlp": 16}},
+        "loss": {"stochastic": {"stoch": {}},
+                 "persistent_pgd": {"ppgd": {"scope": scope, "n_warmup": 1}}},
+    })
+    t = _target()
+    dec = Decomposer(cfg, t, (B, T))
+    state = dec.init(t)
+    src = state.adversaries["ppgd"].sources["h.1.mlp.c_fc"]
+    assert src.shape == ((B, T, 4) if scope == "bsc" else (1, T, 4))
+    new, metrics = jax.jit(dec.full)(state, t, _tokens())
+    for k, v in metrics.items():
+        assert np.isfinite(float(v)), k
+    assert float(metrics["train/loss/ppgd"]) > 0
+    for before, after in [(state.components, new.components), (state.ci_fn, new.ci_fn),
+                          (state.adversaries["ppgd"].sources, new.adversaries["ppgd"].sources)]:
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+            assert not np.array_equal(np.asarray(a), np.asarray(b))
