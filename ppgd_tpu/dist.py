@@ -83,7 +83,8 @@ class _State:
     index: int = 0
     count: int = 1
     client: Any = None  # jax coordination-service client; None when single-process
-    initialized: bool = False
+    requested: Settings | None = None  # what initialize() resolved; None before it ran
+    settings: Settings | None = None  # what it brought up (index/count from JAX)
     seq: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -163,15 +164,23 @@ def initialize(
     local_device_count: int | None = None,
     timeout_s: int = DEFAULT_TIMEOUT_S,
 ) -> Settings:
-    """Bring up this process; call once, before any JAX computation."""
-    if _state.initialized:
-        raise RuntimeError("dist.initialize() was already called in this process")
+    """Bring up this process, before any JAX computation. Calling it again with the same
+    settings returns them (tests, re-entrant entry points); different settings are refused."""
     settings = resolve_settings(coordinator_address, num_processes, process_id, local_device_count)
+    if _state.requested is not None:
+        if settings == _state.requested:
+            return _state.settings
+        raise RuntimeError(
+            f"dist.initialize() already ran with {_state.requested}; refusing {settings}"
+        )
     from jax._src import xla_bridge  # backend state: config below only works before it starts
 
-    if xla_bridge.backends_are_initialized():
+    if xla_bridge.backends_are_initialized() and (
+        settings.coordinator_address is not None or settings.local_device_count is not None
+    ):
         raise RuntimeError(
-            "dist.initialize() must run before any JAX computation (the backend is already up)"
+            "dist.initialize() must run before any JAX computation when it sets "
+            f"{ENV_COORDINATOR_ADDRESS} or {ENV_LOCAL_DEVICE_COUNT} (the backend is already up)"
         )
     # We own SIGTERM (module docstring): JAX's notifier would fight our handler.
     jax.config.update("jax_enable_preemption_service", False)
@@ -199,16 +208,17 @@ def initialize(
     _state.client = distributed.global_state.client
     _state.index = jax.process_index() if _state.client is not None else 0
     _state.count = jax.process_count() if _state.client is not None else 1
-    _state.initialized = True
+    _state.requested = settings
+    _state.settings = dataclasses.replace(
+        settings, num_processes=_state.count, process_id=_state.index
+    )
     if _state.client is not None:
         atexit.register(shutdown)
     _tag_absl_logs()
     if _state.count > 1:
         logging.info("process %d of %d up, %d local devices", _state.index, _state.count,
                      jax.local_device_count())
-    return dataclasses.replace(
-        settings, num_processes=_state.count, process_id=_state.index
-    )
+    return _state.settings
 
 
 def shutdown() -> None:
@@ -344,6 +354,8 @@ class StopSignal:
                  timeout_s: float = DEFAULT_TIMEOUT_S):
         if StopSignal._installed:
             raise RuntimeError("StopSignal is already installed in this process")
+        if _state.requested is None:
+            raise RuntimeError("call dist.initialize() before StopSignal() (single-process too)")
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._decided = threading.Event()
@@ -399,7 +411,7 @@ class StopSignal:
         self._proposal = call
         if self.signals_received and self.reason is None:
             self.reason = f"{self.signals_received[0]} on p{_state.index}"
-        logging.warning("stop requested (%s); this process can stop at call %d",
+        logging.warning("stop requested (%s); this process can stop at its should_stop call #%d",
                         self.reason or "another process", call)
         if _state.client is None:
             self._decision = call
@@ -420,8 +432,10 @@ class StopSignal:
                         self._propose(self._calls + 1)  # main thread is busy or blocked
                 try:
                     notice = client.blocking_key_value_get(_NOTICE_KEY, _POLL_MS)
-                except jax.errors.JaxRuntimeError:
-                    continue  # deadline: poll again
+                except jax.errors.JaxRuntimeError as e:
+                    if "DEADLINE_EXCEEDED" not in str(e):  # e.g. coordinator gone: no spin
+                        time.sleep(_POLL_MS / 1000)
+                    continue
                 break
             else:
                 return

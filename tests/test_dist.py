@@ -169,3 +169,35 @@ def test_settings_arguments_win_over_environment(monkeypatch):
     monkeypatch.setenv(dist.ENV_PROCESS_ID, "3")
     assert dist.resolve_settings(process_id=1) == dist.Settings("h:1", 4, 1, None)
     assert dist.resolve_settings(num_processes=1, process_id=0).num_processes == 1
+
+
+def test_initialize_is_idempotent_and_guards_its_preconditions():
+    code = """
+from ppgd_tpu import dist
+try:
+    dist.StopSignal()
+except RuntimeError as e:
+    print("ERR1", e)
+first = dist.initialize()
+assert dist.initialize() is first and first == dist.Settings(None, 1, 0, None)
+try:
+    dist.initialize(local_device_count=2)
+except RuntimeError as e:
+    print("ERR2", e)
+with dist.StopSignal() as stop:
+    assert [stop.should_stop(s) for s in range(3)] == [False] * 3
+    try:
+        dist.StopSignal()
+    except RuntimeError as e:
+        print("ERR3", e)
+print("OK", dist.process_index(), dist.process_count(), dist.is_main(), repr(dist.tag()),
+      dist.broadcast_from_main({"a": [1]}), dist.all_processes_agree(3))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                 "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert "ERR1 call dist.initialize() before StopSignal()" in out.stdout
+    assert "ERR2 dist.initialize() already ran with" in out.stdout
+    assert "ERR3 StopSignal is already installed" in out.stdout
+    assert "OK 0 1 True '' {'a': [1]} True" in out.stdout
