@@ -339,13 +339,14 @@ class StopSignal:
     """[C5] SIGTERM/SIGINT on any process -> every process stops at the same call of
     `should_stop`. Install once per process, from the main thread, after `initialize()`.
 
-    Usage:
-        stop = StopSignal()
-        for step in ...:
-            state = train_step(state)           # async dispatch, no sync added
-            if stop.should_stop(step):          # True at the same call everywhere
-                save(state); break
-        stop.close()                            # after the save: restores handlers
+    Usage (close, i.e. leaving the `with`, only after the save: until then a second
+    signal is noted in `signals_received` and ignored):
+        with StopSignal() as stop:
+            for step in range(start, end):
+                state = train_step(state)       # async dispatch, no sync added
+                if stop.should_stop(step):      # True at the same call everywhere
+                    save(state)                 # (skip during faithfulness warmup [C5])
+                    break
     """
 
     _installed = False
