@@ -1,0 +1,164 @@
+"""`ppgd-tpu launch-local`: run N local processes as one multi-process JAX job.
+
+    ppgd-tpu launch-local --processes 2 --devices_per_process 2 -- train --config x.yaml
+
+Each child runs `python -m ppgd_tpu.cli <args after -->` (or `--module M`, or the argv
+after `--` as-is with `--exec`) with the PPGD_* variables that `ppgd_tpu.dist.initialize`
+reads, on a free localhost port. This is how multi-host behaviour (gloo collectives,
+stop-signal consensus [C5], per-process checkpoint writes) runs on one machine.
+
+Output is streamed line by line with a `[pN]` prefix. Fail-fast: the first child that
+exits non-zero gets the others killed, is named with its exit code, and its code is ours
+(a child killed by signal S counts as 128+S). SIGTERM/SIGINT sent to the launcher is
+forwarded once to every child; the children agree on a stop step, save, and exit 0.
+Children run in their own process groups so a terminal's Ctrl-C reaches them only through
+this forwarding (exactly once). JAX_PLATFORMS defaults to cpu for the children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import IO
+
+from ppgd_tpu import dist
+
+
+def free_port() -> int:
+    """A localhost TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(index: int, processes: int, devices_per_process: int, port: int,
+              base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of child `index`: what `dist.initialize()` reads."""
+    env = dict(os.environ if base is None else base)
+    env.update({
+        dist.ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
+        dist.ENV_NUM_PROCESSES: str(processes),
+        dist.ENV_PROCESS_ID: str(index),
+        dist.ENV_LOCAL_DEVICE_COUNT: str(devices_per_process),
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    own, child = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(
+        prog="ppgd-tpu launch-local",
+        description="Run N local processes as one multi-process JAX job; args after -- go to each child.",
+    )
+    p.add_argument("--processes", type=int, required=True, help="number of processes (>= 1)")
+    p.add_argument("--devices_per_process", type=int, default=1, help="CPU devices per process (>= 1)")
+    p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    p.add_argument("--module", default="ppgd_tpu.cli", help="child runs `python -m MODULE ARGS`")
+    p.add_argument("--exec", action="store_true", dest="exec_argv",
+                   help="run the argv after -- as-is instead of `python -m MODULE`")
+    args = p.parse_args(own)
+    if args.processes < 1:
+        p.error(f"--processes={args.processes}: expected >= 1")
+    if args.devices_per_process < 1:
+        p.error(f"--devices_per_process={args.devices_per_process}: expected >= 1")
+    if not 0 <= args.port < 65536:
+        p.error(f"--port={args.port}: expected 0 (pick a free one) or 1..65535")
+    if args.exec_argv and not child:
+        p.error("--exec needs the child argv after --")
+    return args, child
+
+
+def _pump(index: int, stream: IO[bytes], out_lock: threading.Lock) -> None:
+    prefix = f"[p{index}] ".encode()
+    out = sys.stdout.buffer
+    for line in iter(stream.readline, b""):
+        with out_lock:
+            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.flush()
+    stream.close()
+
+
+def _say(msg: str) -> None:
+    print(f"launch-local: {msg}", file=sys.stderr, flush=True)
+
+
+def _kill(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+
+
+def _exit_code(returncode: int) -> int:
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def main(argv: list[str]) -> int:
+    """Run the job; 0 when every child succeeds, else the first failing child's code."""
+    args, child_args = _parse(argv)
+    port = args.port or free_port()
+    cmd = child_args if args.exec_argv else [sys.executable, "-m", args.module, *child_args]
+    _say(f"{args.processes} processes x {args.devices_per_process} devices, "
+         f"coordinator 127.0.0.1:{port}: {' '.join(cmd)}")
+    out_lock = threading.Lock()
+    children: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()  # (index, returncode) in exit order
+
+    def forward(signum: int, frame: object) -> None:
+        _say(f"got {signal.Signals(signum).name}; forwarding to the children")
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for i in range(args.processes):
+            c = subprocess.Popen(
+                cmd, env=child_env(i, args.processes, args.devices_per_process, port),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0,
+            )
+            children.append(c)
+            t = threading.Thread(target=_pump, args=(i, c.stdout, out_lock), daemon=True)
+            t.start()
+            pumps.append(t)
+            threading.Thread(target=lambda i=i, c=c: exits.put((i, c.wait())), daemon=True).start()
+        code = _wait(children, exits)
+    finally:
+        for c in children:
+            _kill(c)
+            c.wait()
+        for t in pumps:
+            t.join(timeout=5)
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return code
+
+
+def _wait(children: list[subprocess.Popen], exits: queue.Queue[tuple[int, int]]) -> int:
+    """Block until every child exits 0, or until the first failure (then kill the rest)."""
+    for _ in children:
+        while True:
+            try:  # a timeout keeps the main thread responsive to forwarded signals
+                index, rc = exits.get(timeout=0.5)
+                break
+            except queue.Empty:
+                continue
+        if rc != 0:
+            _say(f"process p{index} exited with code {rc}; killing the others")
+            for c in children:
+                _kill(c)
+            return _exit_code(rc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,203 @@
+"""ppgd_tpu.dist with real processes: 2 processes x 2 CPU devices over gloo on localhost.
+
+Each multi-process case starts tests/dist_worker.py in subprocesses with the PPGD_*
+environment the launcher would set (JAX never starts in the pytest process).
+"""
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from ppgd_tpu import dist
+from ppgd_tpu.launch_local import child_env, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "tests" / "dist_worker.py")
+TIMEOUT_S = 60
+
+
+class Proc:
+    """A child process whose merged output is read line by line in the background."""
+
+    def __init__(self, args, env):
+        env = {**env, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+        self.p = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.lines.append(line)
+            self._q.put(line)
+        self._q.put(None)
+
+    def wait_for(self, prefix):
+        """Block until a line starting with `prefix`; fail with the output if it ends first."""
+        while True:
+            try:
+                line = self._q.get(timeout=TIMEOUT_S)
+            except queue.Empty:
+                pytest.fail(f"no {prefix!r} line within {TIMEOUT_S} s:\n{self.output()}")
+            if line is None:
+                pytest.fail(f"exited before a {prefix!r} line:\n{self.output()}")
+            if line.startswith(prefix):
+                return line
+
+    def finish(self):
+        try:
+            rc = self.p.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            pytest.fail(f"did not exit within {TIMEOUT_S} s:\n{self.output()}")
+        return rc
+
+    def result(self):
+        line = next((l for l in self.lines if l.startswith("RESULT ")), None)
+        assert line is not None, self.output()
+        return json.loads(line[len("RESULT "):])
+
+    def output(self):
+        return "".join(self.lines)
+
+
+@pytest.fixture
+def start():
+    """start(mode, processes, devices) -> [Proc]; anything still running at teardown is killed."""
+    procs = []
+
+    def _start(mode, processes=2, devices=2):
+        port = free_port()
+        new = [Proc([WORKER, mode], child_env(i, processes, devices, port)) for i in range(processes)]
+        procs.extend(new)
+        return new
+
+    yield _start
+    for p in procs:
+        if p.p.poll() is None:
+            p.p.kill()
+            p.p.wait()
+
+
+def test_collectives_broadcast_and_agreement_across_processes(start):
+    procs = start("collectives")
+    for p in procs:
+        assert p.finish() == 0, p.output()
+    results = [p.result() for p in procs]
+    for me, p in enumerate(procs):
+        assert any(l.startswith(f"[p{me}/2] W") and "a tagged line" in l for l in p.lines), p.output()
+    for me, r in enumerate(results):
+        assert r["process"] == me and r["count"] == 2 and r["is_main"] == (me == 0)
+        assert r["tag"] == f"[p{me}/2]"
+        assert (r["devices"], r["local_devices"]) == (4, 2)
+        assert r["total"] == 1 + 2 + 3 + 4  # device k holds k+1, summed over both processes
+        assert r["gathered"] == [1, 11]  # process p contributes 10p + 1
+        assert r["broadcast"] == {"run": "run-from-p0", "save": True}
+        assert r["agree_same"] is True and r["agree_differ"] is False
+        assert r["gather"] == ["p0", "p1"]
+
+
+def test_C5_sigterm_on_one_process_stops_all_at_same_step_and_second_signal_is_ignored(start):
+    procs = start("loop")
+    for p in procs:
+        p.wait_for("RUNNING")
+    procs[1].p.send_signal(signal.SIGTERM)  # only process 1 is "preempted"
+    for p in procs:
+        p.wait_for("SAVING")
+    for p in procs:  # a second signal mid-save must be noted, not kill the write
+        p.p.send_signal(signal.SIGINT)
+    for p in procs:
+        assert p.finish() == 0, p.output()
+    r0, r1 = (p.result() for p in procs)
+    assert r0["stop_step"] == r1["stop_step"] >= 5
+    assert r0["checksum"] == r1["checksum"]
+    assert r0["reason"] == r1["reason"] == "SIGTERM on p1"
+    assert r1["signals"] == ["SIGTERM", "SIGINT"] and r0["signals"] == ["SIGINT"]
+
+
+def test_C5_single_process_uses_the_same_stop_signal(start):
+    (p,) = start("loop", processes=1, devices=2)
+    p.wait_for("RUNNING")
+    p.p.send_signal(signal.SIGTERM)
+    p.wait_for("SAVING")
+    p.p.send_signal(signal.SIGINT)
+    assert p.finish() == 0, p.output()
+    r = p.result()
+    assert r["stop_step"] >= 5 and r["reason"] == "SIGTERM on p0"
+    assert r["signals"] == ["SIGTERM", "SIGINT"]
+
+
+def test_unreachable_coordinator_is_a_clear_error_not_a_hang():
+    port = free_port()  # nothing listens here
+    code = ("from ppgd_tpu import dist\n"
+            f"dist.initialize('127.0.0.1:{port}', 2, 1, local_device_count=1, timeout_s=2)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                 "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 1, out.stderr
+    assert f"coordinator 127.0.0.1:{port} did not answer within 2 s" in out.stderr
+
+
+@pytest.mark.parametrize("env, message", [
+    ({dist.ENV_NUM_PROCESSES: "two"}, "PPGD_NUM_PROCESSES='two': expected an integer >= 1"),
+    ({dist.ENV_NUM_PROCESSES: "2", dist.ENV_PROCESS_ID: "0"}, "missing: PPGD_COORDINATOR_ADDRESS"),
+    ({dist.ENV_COORDINATOR_ADDRESS: "localhost", dist.ENV_NUM_PROCESSES: "2",
+      dist.ENV_PROCESS_ID: "1"}, "expected HOST:PORT"),
+    ({dist.ENV_COORDINATOR_ADDRESS: "h:1", dist.ENV_NUM_PROCESSES: "2",
+      dist.ENV_PROCESS_ID: "2"}, "expected 0 <= id < PPGD_NUM_PROCESSES=2"),
+    ({dist.ENV_LOCAL_DEVICE_COUNT: "0"}, "PPGD_LOCAL_DEVICE_COUNT=0: expected an integer >= 1"),
+])
+def test_bad_settings_are_refused_naming_the_variable(monkeypatch, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dist.resolve_settings()
+
+
+def test_settings_arguments_win_over_environment(monkeypatch):
+    monkeypatch.setenv(dist.ENV_NUM_PROCESSES, "4")
+    monkeypatch.setenv(dist.ENV_COORDINATOR_ADDRESS, "h:1")
+    monkeypatch.setenv(dist.ENV_PROCESS_ID, "3")
+    assert dist.resolve_settings(process_id=1) == dist.Settings("h:1", 4, 1, None)
+    assert dist.resolve_settings(num_processes=1, process_id=0).num_processes == 1
+
+
+def test_initialize_is_idempotent_and_guards_its_preconditions():
+    code = """
+from ppgd_tpu import dist
+try:
+    dist.StopSignal()
+except RuntimeError as e:
+    print("ERR1", e)
+first = dist.initialize()
+assert dist.initialize() is first and first == dist.Settings(None, 1, 0, None)
+try:
+    dist.initialize(local_device_count=2)
+except RuntimeError as e:
+    print("ERR2", e)
+with dist.StopSignal() as stop:
+    assert [stop.should_stop(s) for s in range(3)] == [False] * 3
+    try:
+        dist.StopSignal()
+    except RuntimeError as e:
+        print("ERR3", e)
+print("OK", dist.process_index(), dist.process_count(), dist.is_main(), repr(dist.tag()),
+      dist.broadcast_from_main({"a": [1]}), dist.all_processes_agree(3))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                 "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert "ERR1 call dist.initialize() before StopSignal()" in out.stdout
+    assert "ERR2 dist.initialize() already ran with" in out.stdout
+    assert "ERR3 StopSignal is already installed" in out.stdout
+    assert "OK 0 1 True '' {'a': [1]} True" in out.stdout

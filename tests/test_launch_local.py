@@ -1,0 +1,115 @@
+"""The local N-process launcher (`ppgd-tpu launch-local`, launch/local.sh) with real children."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ppgd_tpu import launch_local
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 60
+ARGS = ["train", "--name=a b", "--note", "x = y", "", "--flag=--not-a-launcher-flag"]
+
+
+def run(cmd, **env):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+
+
+def echoes(stdout):
+    """{process index: echoed payload} from the `[pN] ECHO {...}` lines."""
+    out = {}
+    for line in stdout.splitlines():
+        prefix, _, rest = line.partition(" ")
+        if rest.startswith("ECHO "):
+            out[int(prefix[2:-1])] = json.loads(rest[len("ECHO "):])
+    return out
+
+
+def check_echoes(stdout, processes, devices):
+    got = echoes(stdout)
+    assert sorted(got) == list(range(processes)), stdout
+    port = got[0]["env"]["PPGD_COORDINATOR_ADDRESS"]
+    for i, e in got.items():
+        assert e["argv"] == ARGS
+        assert e["env"] == {"PPGD_COORDINATOR_ADDRESS": port, "PPGD_NUM_PROCESSES": str(processes),
+                            "PPGD_PROCESS_ID": str(i), "PPGD_LOCAL_DEVICE_COUNT": str(devices)}
+
+
+def test_args_after_double_dash_reach_every_child_unchanged_with_module():
+    out = run([sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "3",
+               "--devices_per_process", "2", "--module", "tests.dist_echo", "--", *ARGS])
+    assert out.returncode == 0, out.stdout + out.stderr
+    check_echoes(out.stdout, 3, 2)
+
+
+def test_shell_wrapper_passes_flags_and_args_through():
+    out = run(["bash", str(ROOT / "launch" / "local.sh"), "2", "1", "--exec", "--",
+               sys.executable, str(ROOT / "tests" / "dist_echo.py"), *ARGS], PYTHON=sys.executable)
+    assert out.returncode == 0, out.stdout + out.stderr
+    check_echoes(out.stdout, 2, 1)
+
+
+def test_fail_fast_kills_the_others_and_names_the_failing_child(tmp_path):
+    out = run([sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2", "--exec", "--",
+               sys.executable, str(ROOT / "tests" / "dist_echo.py")],
+              DIST_ECHO_MODE="fail", DIST_ECHO_DIR=str(tmp_path))
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "process p1 exited with code 3" in out.stderr
+    assert "[p1] failing now" in out.stdout
+    with pytest.raises(ProcessLookupError):  # p0 was killed (and reaped) before we returned
+        os.kill(int((tmp_path / "p0.pid").read_text()), 0)
+
+
+def test_C5_signals_to_the_launcher_reach_all_children_which_stop_at_one_step():
+    p = subprocess.Popen(
+        [sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2",
+         "--devices_per_process", "2", "--exec", "--", sys.executable,
+         str(ROOT / "tests" / "dist_worker.py"), "loop"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        def wait_for_both(word):
+            seen = set()
+            for line in p.stdout:
+                lines.append(line)
+                if line.split(" ")[1:2] == [word]:
+                    seen.add(line[:4])
+                if len(seen) == 2:
+                    return
+            pytest.fail(f"launcher output ended before both children said {word}:\n{''.join(lines)}")
+
+        wait_for_both("RUNNING")
+        p.send_signal(signal.SIGTERM)  # forwarded to both children: stop
+        wait_for_both("SAVING")
+        p.send_signal(signal.SIGINT)  # forwarded mid-save: noted, not fatal
+        lines.extend(p.stdout)
+        assert p.wait(timeout=TIMEOUT_S) == 0, "".join(lines)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    results = [json.loads(l.split("RESULT ", 1)[1]) for l in lines if " RESULT " in l]
+    assert len(results) == 2, "".join(lines)
+    assert results[0]["stop_step"] == results[1]["stop_step"] >= 5
+    assert results[0]["checksum"] == results[1]["checksum"]
+    assert all(r["signals"] == ["SIGTERM", "SIGINT"] for r in results)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--processes", "0"], "--processes=0: expected >= 1"),
+    (["--processes", "2", "--devices_per_process", "0"], "--devices_per_process=0: expected >= 1"),
+    (["--processes", "2", "--port", "70000"], "--port=70000"),
+    (["--processes", "2", "--exec"], "--exec needs the child argv after --"),
+])
+def test_bad_launcher_flags_are_refused_naming_the_flag(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        launch_local.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
