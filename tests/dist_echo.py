@@ -1,4 +1,4 @@
-"""Child program for the launcher tests: echoes its argv and PPGD_* environment as JSON,
+"""Child program for the launcher tests: echoes its argv and the launcher's PPGD_* variables as JSON,
 then behaves as told by DIST_ECHO_MODE (run as `python -m tests.dist_echo` or by path)."""
 
 import json
@@ -7,7 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-env = {k: v for k, v in os.environ.items() if k.startswith("PPGD_")}
+LAUNCHER_VARS = ("PPGD_COORDINATOR_ADDRESS", "PPGD_NUM_PROCESSES", "PPGD_PROCESS_ID",
+                 "PPGD_LOCAL_DEVICE_COUNT")
+env = {k: v for k, v in os.environ.items() if k in LAUNCHER_VARS}
 print("ECHO " + json.dumps({"argv": sys.argv[1:], "env": env}), flush=True)
 me = int(os.environ["PPGD_PROCESS_ID"])
 mode = os.environ.get("DIST_ECHO_MODE", "exit")
