@@ -103,12 +103,16 @@ def parse_config_args(args: list[str], extra: dict[str, tuple[str, str]] | None 
 
 
 def cmd_train(args: list[str]) -> int:
-    from ppgd_tpu import engine
-    from ppgd_tpu.workspace import default_run_dir
+    from ppgd_tpu import dist
 
     cfg, extra = parse_config_args(args, {"run_dir": ("", "run directory (default: "
                                                       "runs/<name>-<timestamp>)")})
-    engine.train(cfg, extra["run_dir"] or default_run_dir(cfg))
+    dist.initialize()  # before any JAX computation; single-process unless PPGD_* / TPU say so
+    from ppgd_tpu import engine
+    from ppgd_tpu.workspace import default_run_dir
+
+    run_dir = dist.broadcast_from_main(extra["run_dir"] or default_run_dir(cfg))
+    engine.train(cfg, run_dir)
     return 0
 
 

@@ -239,6 +239,16 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = _f(0, "checkpoint cadence in global steps (0 = only at the end and on a stop "
+                    "signal)", lo=0)
+    keep_last_n: int = _f(2, "committed checkpoints kept (older ones deleted after a newer "
+                          "one commits)", lo=1)
+    keep_every: int = _f(0, "also keep every checkpoint whose step is a multiple of this "
+                         "(0 = none)", lo=0)
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = _f("tms_5-2", "experiment name (run dir prefix)")
     seed: int = _f(0, "run seed: every draw is fold_in(seed, global step, ...) [R1]")
@@ -248,10 +258,11 @@ class Config:
     data: DataConfig = _f(factory=DataConfig, help="data")
     eval: EvalConfig = _f(factory=EvalConfig, help="evaluation")
     log: LogConfig = _f(factory=LogConfig, help="logging")
+    checkpoint: CheckpointConfig = _f(factory=CheckpointConfig, help="checkpoints")
 
 
 # Fields that may differ when resuming a run: they do not change the trajectory.
-RESUMABLE_PREFIXES = ("name", "eval.", "log.")
+RESUMABLE_PREFIXES = ("name", "eval.", "log.", "checkpoint.")
 
 
 # ---------------------------------------------------------------- building from dicts

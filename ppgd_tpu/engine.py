@@ -7,6 +7,7 @@ at log and eval steps (one device_get each).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -16,15 +17,19 @@ import numpy as np
 from absl import logging
 from safetensors.numpy import load_file, save_file
 
+from ppgd_tpu import checkpoint, dist, resume
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
-from ppgd_tpu.config import Config
+from ppgd_tpu.config import Config, config_hash
 from ppgd_tpu.data.toy import batch_key
 from ppgd_tpu.decomp.components import resolve_sites
 from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import Decomposer, TrainState
 from ppgd_tpu.targets import build as target_build
 from ppgd_tpu.workspace import DECOMPOSITION, FIGURES, RunDir
+
+
+MAX_IN_FLIGHT = 8  # multi-process CPU: steps dispatched ahead of the last finished one
 
 
 class Trainer:
@@ -63,7 +68,7 @@ class Trainer:
 
 
 def train(cfg: Config, run_dir: str) -> dict:
-    """Runs (or reports already complete) the decomposition of `cfg` in `run_dir`."""
+    """Runs, resumes, or reports already complete the decomposition of `cfg` in `run_dir`."""
     rd = RunDir(run_dir)
     if rd.exists:
         rd.check_compatible(cfg)
@@ -72,55 +77,101 @@ def train(cfg: Config, run_dir: str) -> dict:
             with open(rd.file("summary.json")) as fh:
                 return json.load(fh)
     trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
-    if not rd.exists:
+    if dist.is_main() and not rd.exists:
         rd.create(cfg)
-    logging.info("run dir %s", os.path.abspath(run_dir))
+    dist.barrier("run_dir_ready")
+    logging.info("%srun dir %s", dist.tag(), os.path.abspath(run_dir))
+    saver = checkpoint.Checkpointer(
+        run_dir, keep_last_n=cfg.checkpoint.keep_last_n,
+        keep_every=cfg.checkpoint.keep_every or None, config_hash=config_hash(cfg),
+        barrier=dist.barrier if jax.process_count() > 1 else None)
+    with dist.StopSignal() as stop, saver:
+        return _run(cfg, rd, trainer, saver, stop)
 
-    state = trainer.init_state()
-    start = 0
-    writer = metrics_lib.MetricsWriter(run_dir, enabled=jax.process_index() == 0,
+
+def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
+    steps, k = cfg.decomp.steps, cfg.data.train_batch_replay
+    replay = trainer.replay
+    start = checkpoint.latest_step(rd.path)
+    if start is None:  # a fresh run: init, then the faithfulness warmup [S21]
+        start, state = 0, trainer.init_state()
+        if stop.should_stop(-1):
+            print(f"stopped ({stop.reason}) during faithfulness warmup; nothing was saved. "
+                  "Re-run the same command to start over.")
+            return {}
+    else:  # [C3] resume: no warmup; the window continues on batch start // k [W6]
+        restored = checkpoint.restore(rd.path, start)
+        state = resume.restore_state(trainer.dec, trainer.target, restored.arrays)
+        if start % k:
+            resume.restore_window(replay, trainer.dec, state, trainer.target,
+                                  trainer.batch(start // k), restored.arrays)
+        logging.info("%sresumed from the checkpoint at step %d", dist.tag(), start)
+    if start >= steps:
+        return _finish(cfg, rd, trainer, state)
+
+    writer = metrics_lib.MetricsWriter(rd.path, enabled=dist.is_main(),
                                        tensorboard=cfg.log.tensorboard)
     writer.truncate_after(start)
-    steps, k = cfg.decomp.steps, cfg.data.train_batch_replay
-    progress = metrics_lib.Progress(steps, start, cfg.log.progress and jax.process_index() == 0)
+    progress = metrics_lib.Progress(steps, start, cfg.log.progress and dist.is_main())
     t_last, s_last = time.perf_counter(), start
-    if start % k:
-        trainer.replay.start_window(state, trainer.target, trainer.batch(start // k))
     window = []  # device metrics of the steps since the last log (window statistics)
+    in_flight = collections.deque()
     for s in range(start, steps):
-        state, m = trainer.replay.step(s, state, trainer.target, trainer.batch(s // k))
+        state, m = replay.step(s, state, trainer.target, trainer.batch(s // k))
         window.append(m)
         done = s + 1
+        if jax.process_count() > 1:  # bound the steps in flight (gloo deadlocks past ~16)
+            in_flight.append(m["train/loss/total"])
+            if len(in_flight) > MAX_IN_FLIGHT:
+                in_flight.popleft().block_until_ready()
         if done % cfg.log.every == 0 or done == steps:
             window = [metrics_lib.to_host(w) for w in jax.device_get(window)]
             values = dict(window[-1])
             values.update(metrics_lib.window_stats(window))
             values["train/replay/window_position"] = s % k
-            values["train/replay/ci_updated"] = int(trainer.replay.ci_updated(s))
+            values["train/replay/ci_updated"] = int(replay.ci_updated(s))
             now = time.perf_counter()
             values["train/perf/step_time_s"] = (now - t_last) / (done - s_last)
+            progress.update(done - s_last, values["train/loss/total"])
             t_last, s_last, window = now, done, []
             writer.write(done, values)
-            progress.update(done - progress_pos(progress, start), values["train/loss/total"])
         if cfg.eval.every and done % cfg.eval.every == 0 and done != steps:
             writer.write(done, trainer.evaluate(state))
+        saved = False
+        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != steps:
+            saver.save(done, resume.checkpoint_leaves(state, replay))
+            saved = True
+        if done != steps and stop.should_stop(done):  # [C5] every process, the same step
+            if not saved:
+                saver.save(done, resume.checkpoint_leaves(state, replay))
+            saver.wait()
+            dist.barrier(f"stopped_{done}")
+            progress.close()
+            writer.close()
+            print(f"stopped at step {done} ({stop.reason}); checkpoint committed in "
+                  f"{rd.path}/ckpts/{done}. Resume with the same command.")
+            return {}
     progress.close()
-
-    summary = trainer.evaluate(state)
-    writer.write(steps, summary)
     writer.close()
-    save_decomposition(rd.file(DECOMPOSITION), state, trainer.dec.sites)
-    if cfg.eval.figures:
-        eval_lib.figures(trainer.dec, state, trainer.target, trainer.eval_batch,
-                         rd.file(FIGURES))
-    summary = {"step": steps, **summary}
-    rd.write_summary(summary)
-    print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
+    saver.save(steps, resume.checkpoint_leaves(state, replay))
+    saver.wait()
+    return _finish(cfg, rd, trainer, state)
+
+
+def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState) -> dict:
+    """Final eval, decomposition file, figures, then summary.json LAST (WORKSPACE.md)."""
+    summary = trainer.evaluate(state)
+    if dist.is_main():
+        writer = metrics_lib.MetricsWriter(rd.path, enabled=True, tensorboard=False)
+        writer.write(cfg.decomp.steps, summary)
+        save_decomposition(rd.file(DECOMPOSITION), state, trainer.dec.sites)
+        if cfg.eval.figures:
+            eval_lib.figures(trainer.dec, state, trainer.target, trainer.eval_batch,
+                             rd.file(FIGURES))
+        summary = {"step": cfg.decomp.steps, **summary}
+        rd.write_summary(summary)
+        print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
     return summary
-
-
-def progress_pos(progress: metrics_lib.Progress, start: int) -> int:
-    return progress.bar.n if progress.bar is not None else start
 
 
 def save_decomposition(path: str, state: TrainState, sites) -> None:

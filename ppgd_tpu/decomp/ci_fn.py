@@ -82,6 +82,8 @@ class PerComponentMLP(eqx.Module):
     def input_names(self) -> tuple[str, ...]:
         return tuple(self.w1)
 
+    uses_components = True  # CI values depend on V (replay checkpoints keep the envelope)
+
     @property
     def reads_components(self) -> bool:
         """Whether CI carries gradient into the components."""

@@ -1,0 +1,100 @@
+"""What a checkpoint holds and how the loop gets it back [C1, C2, W6].
+
+The train state is flattened to named leaves: `decomposition/...` holds V/U and the CI fn
+(what consumers load), `training/...` everything else (both optimizer states, every
+adversary, the step). The replay window adds only what cannot be recomputed bit for bit:
+
+| mode  | stored in a mid-window checkpoint | rebuilt at restore                               |
+|-------|-----------------------------------|--------------------------------------------------|
+| every | nothing                           | nothing                                          |
+| first | the envelope of the window's t=0  | (it came from the pre-update CI fn, now gone)    |
+| last  | nothing                           | compute_ci from the CI fn, unchanged since t = 0 |
+| mean  | the fp32 cotangent accumulator    | the envelope: compute_ci, as at t = 0            |
+
+A CI fn whose values depend on the components (the per-component toy family) cannot rebuild
+the t = 0 envelope after V moved, so with it `last` and `mean` store the envelope too.
+
+So resuming at any step continues the uninterrupted trajectory exactly [C3]. The frozen
+target and the data position are not stored: the batch is a pure function of (seed, s // k).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ppgd_tpu.replay import ReplayController
+from ppgd_tpu.step import Decomposer, Envelope, TrainState
+
+DECOMPOSITION_FIELDS = ("components", "ci_fn")
+
+
+def _key_name(k) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def named_leaves(tree, prefix: str) -> dict[str, jax.Array]:
+    """{prefix/path/of/leaf: leaf} with path segments from attribute names and dict keys."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join([prefix, *(_key_name(k) for k in path)]): leaf for path, leaf in flat}
+
+
+def _state_prefix(field: str) -> str:
+    part = "decomposition" if field in DECOMPOSITION_FIELDS else "training"
+    return f"{part}/{field}"
+
+
+def _stores_envelope(replay: ReplayController, state) -> bool:
+    return replay.mode == "first" or (
+        replay.mode != "every" and getattr(state.ci_fn, "uses_components", False))
+
+
+def checkpoint_leaves(state: TrainState, replay: ReplayController) -> dict[str, jax.Array]:
+    """Every leaf a checkpoint at this point of the loop must hold [C1, W6]."""
+    out = {}
+    for field in ("step", "components", "ci_fn", "opt_components", "opt_ci_fn", "adversaries"):
+        out.update(named_leaves(getattr(state, field), _state_prefix(field)))
+    if int(state.step) % replay.k == 0:  # a window boundary: nothing of the window survives
+        return out
+    if _stores_envelope(replay, state):
+        out.update(named_leaves(replay.env, "training/replay/envelope"))
+    if replay.mode == "mean":
+        out.update(named_leaves(replay.acc, "training/replay/accumulator"))
+    return out
+
+
+def _fill(template, arrays: dict, prefix: str):
+    names = list(named_leaves(template, prefix))
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} leaves of this run's state, e.g. "
+                         f"{missing[:3]} (was it written by a different config?)")
+    treedef = jax.tree.structure(template)
+    return jax.tree.unflatten(treedef, [jax.numpy.asarray(arrays[n]) for n in names])
+
+
+def restore_state(dec: Decomposer, target, arrays: dict) -> TrainState:
+    """The TrainState of `arrays` (host numpy from checkpoint.restore), shaped like init."""
+    template = jax.eval_shape(dec.init, target)
+    fields = {f: _fill(getattr(template, f), arrays, _state_prefix(f))
+              for f in ("step", "components", "ci_fn", "opt_components", "opt_ci_fn",
+                        "adversaries")}
+    return TrainState(**fields)
+
+
+def restore_window(replay: ReplayController, dec: Decomposer, state: TrainState, target,
+                   batch, arrays: dict) -> None:
+    """Rebuilds the replay window at a mid-window step exactly [W6] (see the table above)."""
+    if replay.mode == "every":
+        return
+    template = jax.eval_shape(dec.compute_ci, target, state, batch)
+    if _stores_envelope(replay, state):
+        replay.env = _fill(template, arrays, "training/replay/envelope")
+    else:
+        replay.env = replay.compute_ci(target, state, batch)
+    if replay.mode == "mean":
+        acc_template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), template)
+        replay.acc = _fill(Envelope(*acc_template), arrays, "training/replay/accumulator")

@@ -1,0 +1,98 @@
+"""Exact resume through the real loop [C3, W6]: N straight steps == K steps, stop, restore,
+N-K steps, bitwise, for every K and every replay mode; and a real SIGTERM [C5]."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ppgd_tpu import checkpoint, cli
+
+N, K_REPLAY = 8, 4
+TINY = ["--data.batch_size=32", "--eval.batch_size=64", "--eval.every=0", "--eval.pgd_steps=1",
+        "--eval.figures=false", "--log.every=1", "--log.progress=false",
+        "--log.tensorboard=false", "--decomp.ci_fn.detach_inputs=true",
+        "--loss.imp_min.coeff=0.01", "--decomp.faithfulness_warmup_steps=3"]
+
+
+def _args(run_dir, mode, extra=()):
+    k = 1 if mode == "every" else K_REPLAY
+    return ["train", f"--run_dir={run_dir}", f"--decomp.steps={N}",
+            f"--data.train_batch_replay={k}", f"--data.replay_ci_update={mode}", *TINY, *extra]
+
+
+def _final_digest(run_dir):
+    return checkpoint.digest(str(run_dir), N).overall
+
+
+@pytest.mark.parametrize("mode", ["every", "first", "last", "mean"])
+def test_C3_W6_resume_at_every_step_is_bitwise_the_straight_run(tmp_path, mode):
+    straight = tmp_path / "straight"
+    # a checkpoint after every step, all kept: each is a possible preemption point
+    assert cli.run(_args(straight, mode, ["--checkpoint.every=1",
+                                          f"--checkpoint.keep_last_n={N + 1}"])) == 0
+    want = _final_digest(straight)
+    metrics = [json.loads(ln) for ln in open(straight / "metrics.jsonl")]
+    for K in range(1, K_REPLAY + 1):  # every window position t = 1, 2, 3, 0
+        resumed = tmp_path / f"resumed_{K}"
+        shutil.copytree(straight, resumed)
+        os.remove(resumed / "summary.json")
+        for d in os.listdir(resumed / "ckpts"):
+            if int(d) > K:
+                shutil.rmtree(resumed / "ckpts" / d)
+        assert cli.run(_args(resumed, mode, ["--checkpoint.every=1"])) == 0
+        assert _final_digest(resumed) == want, f"mode {mode}: resume at K={K} diverged"
+        again = [json.loads(ln) for ln in open(resumed / "metrics.jsonl")]
+        assert [r["step"] for r in again] == [r["step"] for r in metrics]  # no duplicates
+        shutil.rmtree(resumed)
+
+
+def test_resume_refuses_a_different_trajectory_and_changes_nothing(tmp_path, capsys):
+    run = tmp_path / "r"
+    base = _args(run, "every", ["--checkpoint.every=4"])
+    assert cli.run(base) == 0
+    os.remove(run / "summary.json")
+    shutil.rmtree(run / "ckpts" / str(N))
+    before = sorted(os.listdir(run / "ckpts"))
+    rc = cli.run([*base, "--decomp.grad_clip_components=0.5"])
+    assert rc == 2 and "decomp.grad_clip_components: 0.01 -> 0.5" in capsys.readouterr().err
+    assert sorted(os.listdir(run / "ckpts")) == before
+
+
+def _train_subprocess(run_dir, steps, extra=()):
+    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
+           f"--decomp.steps={steps}", "--data.train_batch_replay=4",
+           "--data.replay_ci_update=first", *TINY, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_C5_sigterm_saves_the_completed_step_exits_0_and_resumes_exactly(tmp_path):
+    steps = 3000
+    straight = tmp_path / "straight"
+    p = _train_subprocess(straight, steps)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    want = checkpoint.digest(str(straight), steps).overall
+
+    run = tmp_path / "interrupted"
+    p = _train_subprocess(run, steps)
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() or os.path.getsize(run / "metrics.jsonl") < 2000:
+        assert time.time() < deadline and p.poll() is None, "training did not start"
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert "stopped at step" in out and "Resume with the same command" in out
+    stopped = checkpoint.latest_step(str(run))
+    assert 0 < stopped < steps
+    assert not (run / "summary.json").exists()
+    p = _train_subprocess(run, steps)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert checkpoint.digest(str(run), steps).overall == want
