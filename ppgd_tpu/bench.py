@@ -6,6 +6,8 @@
   = 1 - device_only / loop, steps/s and peak RSS.
 - `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
   a subprocess, plus its peak RSS.
+- `ckpt`: per checkpoint, the time the loop blocks, the background write + commit time, the
+  bytes written, and how many of them are replay-window state.
 """
 
 from __future__ import annotations
@@ -108,7 +110,43 @@ def bench_run(args: list[str]) -> int:
     return 0
 
 
-CASES = {"step": bench_step, "run": bench_run}
+def bench_ckpt(args: list[str]) -> int:
+    """Per save: time the loop blocks (device-to-host copy), background write+commit time,
+    bytes, and the share of the window state (replay envelope / accumulator) in them."""
+    from ppgd_tpu import checkpoint, resume
+    from ppgd_tpu.engine import Trainer
+
+    cfg, extra = cli.parse_config_args(args, {"n_saves": ("5", "saves to time"),
+                                              "run_dir": ("", "where to write (default: temp)")})
+    run_dir = extra["run_dir"] or tempfile.mkdtemp(prefix="ppgd-bench-ckpt-")
+    trainer = Trainer(cfg)
+    state = trainer.init_state()
+    k = cfg.data.train_batch_replay
+    block, commit, sizes, window_bytes = [], [], [], []
+    with checkpoint.Checkpointer(run_dir, keep_last_n=2) as saver:
+        for i in range(int(extra["n_saves"])):
+            for s in range(i * k, i * k + k // 2 + 1):  # stop mid-window when k > 1
+                state, _ = trainer.replay.step(s, state, trainer.target, trainer.batch(s // k))
+            leaves = resume.checkpoint_leaves(state, trainer.replay)
+            jax.block_until_ready(leaves)
+            t = time.perf_counter()
+            saver.save(int(state.step), leaves)
+            block.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            saver.wait()
+            commit.append(time.perf_counter() - t)
+            sizes.append(checkpoint.ls(run_dir)[-1].bytes)
+            window_bytes.append(sum(np.asarray(v).nbytes for n, v in leaves.items()
+                                    if n.startswith("training/replay/")))
+    _print({"config": cfg.name, "replay": f"{cfg.data.replay_ci_update} k={k}",
+            "loop_block_ms_median": 1e3 * float(np.median(block)),
+            "background_commit_ms_median": 1e3 * float(np.median(commit)),
+            "bytes_per_checkpoint": int(np.median(sizes)),
+            "window_state_bytes": int(np.median(window_bytes)), "run_dir": run_dir})
+    return 0
+
+
+CASES = {"step": bench_step, "run": bench_run, "ckpt": bench_ckpt}
 
 
 def _print(report: dict) -> None:

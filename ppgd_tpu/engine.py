@@ -186,13 +186,25 @@ def save_decomposition(path: str, state: TrainState, sites) -> None:
 
 
 def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
-    """The consumer API: final components as numpy, {site: {"V": [d_in, C], "U": [C, d_out]}}."""
+    """The consumer API: components as numpy, {site: {"V": [d_in, C], "U": [C, d_out]}}.
+
+    A finished run's decomposition.safetensors; for a run still going (or stopped), the
+    `decomposition` part of its latest committed checkpoint [C2] (no mesh needed).
+    """
     path = os.path.join(run_dir, DECOMPOSITION)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{run_dir}: no finished decomposition ({DECOMPOSITION} missing)")
-    flat = load_file(path)
     out: dict[str, dict[str, np.ndarray]] = {}
-    for name, arr in flat.items():
-        site, part = name.rsplit("/", 1)
-        out.setdefault(site, {})[part] = arr
+    if os.path.exists(path):
+        for name, arr in load_file(path).items():
+            site, part = name.rsplit("/", 1)
+            out.setdefault(site, {})[part] = arr
+        return out
+    if checkpoint.latest_step(run_dir) is None:
+        raise FileNotFoundError(f"{run_dir}: no decomposition yet ({DECOMPOSITION} missing and "
+                                "no committed checkpoint)")
+    arrays = checkpoint.restore(run_dir, parts=("decomposition",)).arrays
+    prefix = "decomposition/components/"
+    for name, arr in arrays.items():
+        if name.startswith(prefix):
+            part, site = name[len(prefix):].split("/", 1)
+            out.setdefault(site, {})[part] = np.asarray(arr)
     return out
