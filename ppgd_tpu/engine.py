@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import time
 
 import jax
 import numpy as np
 from absl import logging
-from safetensors.numpy import load_file, save_file
+from safetensors import numpy as safetensors_numpy
 
-from ppgd_tpu import checkpoint, dist, resume
+from ppgd_tpu import checkpoint, dist, resume, storage
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu.config import Config, config_hash
@@ -74,15 +73,14 @@ def train(cfg: Config, run_dir: str) -> dict:
         rd.check_compatible(cfg)
         if rd.complete:
             print(f"{run_dir}: already complete (summary.json exists); nothing to do.")
-            with open(rd.file("summary.json")) as fh:
-                return json.load(fh)
+            return rd.read_summary()
     trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
     if dist.is_main() and not rd.exists:
         rd.create(cfg)
     dist.barrier("run_dir_ready")
-    logging.info("%srun dir %s", dist.tag(), os.path.abspath(run_dir))
+    logging.info("%srun dir %s", dist.tag(), rd.path)
     saver = checkpoint.Checkpointer(
-        run_dir, keep_last_n=cfg.checkpoint.keep_last_n,
+        rd.path, keep_last_n=cfg.checkpoint.keep_last_n,
         keep_every=cfg.checkpoint.keep_every or None, config_hash=config_hash(cfg),
         barrier=dist.barrier if jax.process_count() > 1 else None)
     with dist.StopSignal() as stop, saver:
@@ -180,9 +178,8 @@ def save_decomposition(path: str, state: TrainState, sites) -> None:
     for s in sites:
         tensors[f"{s}/V"] = np.asarray(comps.V[s])
         tensors[f"{s}/U"] = np.asarray(comps.U[s])
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={"sites": json.dumps(list(sites))})
-    os.replace(tmp, path)
+    storage.write_bytes(path, safetensors_numpy.save(
+        tensors, metadata={"sites": json.dumps(list(sites))}))
 
 
 def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
@@ -191,10 +188,10 @@ def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
     A finished run's decomposition.safetensors; for a run still going (or stopped), the
     `decomposition` part of its latest committed checkpoint [C2] (no mesh needed).
     """
-    path = os.path.join(run_dir, DECOMPOSITION)
+    path = storage.join(storage.normalize(run_dir), DECOMPOSITION)
     out: dict[str, dict[str, np.ndarray]] = {}
-    if os.path.exists(path):
-        for name, arr in load_file(path).items():
+    if storage.exists(path):
+        for name, arr in safetensors_numpy.load(storage.read_bytes(path)).items():
             site, part = name.rsplit("/", 1)
             out.setdefault(site, {})[part] = arr
         return out

@@ -10,13 +10,13 @@ one-hot inputs 0.75 e_i, the identity-CI error and MMCS (TOYS.md, "Metrics").
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from ppgd_tpu import storage
 from ppgd_tpu.decomp import adversary as adv_lib
 from ppgd_tpu.decomp import components as comp_lib
 from ppgd_tpu.decomp import losses
@@ -115,7 +115,6 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(out_dir, exist_ok=True)
     written = []
     ci = jax.device_get(dec.ci(state.ci_fn, state.components, target, batch).lower)
     n = len(dec.sites)
@@ -167,9 +166,13 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
 
 
 def _save(fig, out_dir, name):
+    import io
+
     import matplotlib.pyplot as plt
 
-    path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=90, bbox_inches="tight")
+    path = storage.join(out_dir, name)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     plt.close(fig)
+    storage.write_bytes(path, buf.getvalue())  # local dir or gs://
     return path
