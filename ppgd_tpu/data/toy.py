@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 DATA_TAG = 0x5EED  # fold_in index separating data draws from training draws
+EVAL_TAG = 0xE7A1  # fold_in index of eval draws (the eval batch, the eval masks)
 
 
 def sparse_features(key, batch: int, n: int, p: float, lo: float, hi: float):
