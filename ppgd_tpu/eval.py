@@ -27,7 +27,6 @@ from ppgd_tpu.step import Decomposer, TrainState
 from ppgd_tpu.targets.base import SiteMask, Target
 
 
-
 def fast_metrics(dec: Decomposer, state: TrainState, target: Target, batch, labels=None):
     """Device-side fast tier (jit this): (scalars, {site: bool [C] alive components}).
 

@@ -1,4 +1,4 @@
-"""Data of a decomposition run: token-store batches for an LM, generated batches for a toy.
+"""Token-store data of an LM decomposition run (toys: data/toy.py `ToyData`).
 
 Both kinds offer `batch(j)` (data batch j, a pure function of (seed, j) [W1, C1]) and a
 fixed `eval_batch`; an LM also offers `eval_labels` (the next tokens, for the CE metrics).
@@ -25,31 +25,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ppgd_tpu.config import Config, ConfigError
 from ppgd_tpu.data.schedule import BatchSchedule, train_eval_schedules
 from ppgd_tpu.data.tokens import IncompleteStoreError, TokenStore
-from ppgd_tpu.data.toy import EVAL_TAG, batch_key
+from ppgd_tpu.data.toy import ToyData
 from ppgd_tpu.targets import llama_simple_mlp
 
-LM_KINDS = ("llama_simple_mlp",)
+LM_KINDS = ToyData.LM_KINDS
 
 
 def is_lm(cfg: Config) -> bool:
     return cfg.target.kind in LM_KINDS
-
-
-class ToyData:
-    """Sparse-feature batches generated on the device from (seed, j)."""
-
-    def __init__(self, cfg: Config, target):
-        if cfg.data.store:
-            raise ConfigError(
-                f"data.store: {cfg.data.store!r} is set, but target.kind {cfg.target.kind!r} "
-                "generates its own data; a token store is read only by LM targets "
-                f"({', '.join(LM_KINDS)}); drop --data.store")
-        B = cfg.data.batch_size
-        self.batch_shape = (B, target.n_features)
-        self.batch = jax.jit(lambda j: target.sample(batch_key(cfg.seed, j), B))
-        self.eval_batch = target.sample(
-            jax.random.fold_in(batch_key(cfg.seed, 0), EVAL_TAG), cfg.eval.batch_size)
-        self.eval_labels = None
 
 
 class LMData:
