@@ -142,7 +142,8 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
 
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    ci = jax.device_get(dec.ci(state.ci_fn, state.components, target, batch).lower)
+    ci = {s: _to_host(x) for s, x in dec.ci(state.ci_fn, state.components, target,
+                                            batch).lower.items()}
     n = len(dec.sites)
 
     if target.n_features is not None:
@@ -205,6 +206,15 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
 def activation_density(ci: np.ndarray, threshold: float) -> np.ndarray:
     """Per component: the fraction of positions (every leading index) with CI > threshold."""
     return np.mean(ci.reshape(-1, ci.shape[-1]) > threshold, axis=0)
+
+
+def _to_host(x) -> np.ndarray:
+    """A global array as numpy on every process (batch-sharded LM CI spans processes)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _save(fig, out_dir, name):
