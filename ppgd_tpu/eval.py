@@ -196,7 +196,7 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
         density = activation_density(np.asarray(ci[s]), thr)
         ax.bar(np.arange(len(density)), np.sort(density)[::-1], width=1.0)
         ax.set_yscale("log")
-        ax.set_title(f"activation density (CI > {thr}): {s}")
+        ax.set_title(f"{s}\nactivation density (CI > {thr})", fontsize=9)
         ax.set_xlabel("component (sorted)")
         ax.set_ylabel("fraction of positions")
     written.append(_save(fig, out_dir, "activation_density.png"))
