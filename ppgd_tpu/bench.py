@@ -8,6 +8,8 @@
   a subprocess, plus its peak RSS.
 - `ckpt`: per checkpoint, the time the loop blocks, the background write + commit time, the
   bytes written, and how many of them are replay-window state.
+- for LM targets, `step` also splits the step between the CI fn and the rest: the full
+  step vs the repeat step (no taps, no CI fn forward/backward [W3]) and their difference.
 """
 
 from __future__ import annotations
@@ -62,16 +64,19 @@ def bench_step(args: list[str]) -> int:
     loop_s = (time.perf_counter() - t) / n
 
     B, seed = cfg.data.batch_size, cfg.seed
+    lm = trainer.eval_labels is not None
+    fixed = trainer.batch(0) if lm else None  # token batches come from the host
 
-    def device_loop(st, tg):
+    def device_loop(st, tg, fixed):
         def body(i, s):
-            return dec.full(s, tg, tg.sample(batch_key(seed, i), B))[0]
+            x = fixed if fixed is not None else tg.sample(batch_key(seed, i), B)
+            return dec.full(s, tg, x)[0]
         return jax.lax.fori_loop(0, n, body, st)
 
     run_loop = jax.jit(device_loop, donate_argnums=0)
-    state = jax.block_until_ready(run_loop(state, target))  # compile
+    state = jax.block_until_ready(run_loop(state, target, fixed))  # compile
     t = time.perf_counter()
-    state = jax.block_until_ready(run_loop(state, target))
+    state = jax.block_until_ready(run_loop(state, target, fixed))
     device_s = (time.perf_counter() - t) / n
 
     report = {
@@ -86,8 +91,36 @@ def bench_step(args: list[str]) -> int:
         "steps_per_s": 1.0 / loop_s,
         "peak_rss_mb": _peak_rss_mb(),
     }
+    if lm:
+        report.update(ci_fn_split(trainer, state, n))
     _print(report)
     return 0
+
+
+def ci_fn_split(trainer, state, n: int) -> dict:
+    """The CI fn's share of a step: the full step vs the repeat step on a cached envelope
+    (which skips the taps and the CI fn's forward and backward [W3]), both on data batch 0,
+    medians of individually timed steps."""
+    target, replay = trainer.target, trainer.replay
+    batch = trainer.batch(0)
+    env = replay.compute_ci(target, state, batch)
+
+    def timed(run, state):
+        state, m = run(state)  # compile / warm up
+        jax.block_until_ready((state, m))
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            state, m = run(state)
+            jax.block_until_ready((state, m))
+            times.append(time.perf_counter() - t)
+        return state, float(np.median(times))
+
+    state, full_s = timed(lambda st: replay.full(st, target, batch), state)
+    state, repeat_s = timed(lambda st: replay.repeat((target, env), st, batch), state)
+    return {"full_step_ms": 1e3 * full_s, "repeat_step_ms": 1e3 * repeat_s,
+            "ci_fn_ms": 1e3 * (full_s - repeat_s),
+            "ci_fn_share": max(0.0, 1.0 - repeat_s / full_s)}
 
 
 def bench_run(args: list[str]) -> int:
@@ -106,7 +139,8 @@ def bench_run(args: list[str]) -> int:
     _print({"config": cfg.name, "steps": cfg.decomp.steps, "wall_s": wall,
             "steps_per_s_overall": cfg.decomp.steps / wall,
             "peak_rss_mb": _peak_rss_mb(resource.RUSAGE_CHILDREN), "run_dir": run_dir,
-            **{k: v for k, v in summary.items() if k.startswith("eval/recon")}})
+            **{k: v for k, v in summary.items()
+               if k.startswith(("eval/recon", "eval/kl", "eval/ce"))}})
     return 0
 
 

@@ -20,7 +20,7 @@ from ppgd_tpu import checkpoint, dist, resume, storage
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu.config import Config, config_hash
-from ppgd_tpu.data.toy import batch_key
+from ppgd_tpu.data import lm as data_lib
 from ppgd_tpu.decomp.components import resolve_sites
 from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import Decomposer, TrainState
@@ -39,15 +39,14 @@ class Trainer:
         # Site patterns are checked against the target's sites before any compute.
         resolve_sites(cfg.decomp.sites, target_build.site_names(cfg.target))
         self.target = target_build.build(cfg.target)
-        B = cfg.data.batch_size
-        n = self.target.n_features
-        self.dec = Decomposer(cfg, self.target, (B, n))
-        target = self.target
-        self.batch = jax.jit(lambda j: target.sample(batch_key(cfg.seed, j), B))
-        self.eval_batch = target.sample(
-            jax.random.fold_in(batch_key(cfg.seed, 0), eval_lib.EVAL_TAG), cfg.eval.batch_size)
+        # Toys: batches generated from (seed, j); LMs: token-store rows [B, T] (data/lm.py).
+        self.data = data_lib.make(cfg, self.target)
+        self.batch = self.data.batch
+        self.eval_batch, self.eval_labels = self.data.eval_batch, self.data.eval_labels
+        self.dec = Decomposer(cfg, self.target, self.data.batch_shape)
         self.replay = ReplayController(self.dec)
-        self.fast_eval = jax.jit(lambda st, t, x: eval_lib.fast_metrics(self.dec, st, t, x))
+        self.fast_eval = jax.jit(
+            lambda st, t, x, y: eval_lib.fast_metrics(self.dec, st, t, x, y))
         self.one_hot = jax.jit(lambda st, t: eval_lib.one_hot_ci(self.dec, st, t))
 
     def init_state(self) -> TrainState:
@@ -57,7 +56,7 @@ class Trainer:
         return state
 
     def evaluate(self, state: TrainState) -> dict:
-        fast, alive = self.fast_eval(state, self.target, self.eval_batch)
+        fast, alive = self.fast_eval(state, self.target, self.eval_batch, self.eval_labels)
         onehot = self.one_hot(state, self.target) if self.target.n_features else None
         fast, alive, onehot = jax.device_get((fast, alive, onehot))
         out = metrics_lib.to_host(fast)
