@@ -153,31 +153,28 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
             rows, cols = linear_sum_assignment(-m)
             order = list(cols) + [c for c in range(m.shape[1]) if c not in set(cols)]
             im = ax.imshow(m[:, order], vmin=0, vmax=1, cmap="Blues", aspect="auto")
-            ax.set_title(f"CI on 0.75 e_i: {s}")
+            ax.set_title(f"{s}\nCI on 0.75 e_i", fontsize=9)
             ax.set_xlabel("component (matched first)")
             ax.set_ylabel("input feature")
         fig.colorbar(im, ax=axes[0].tolist())
         written.append(_save(fig, out_dir, "ci_per_feature.png"))
 
+    U = {s: np.asarray(state.components.U[s]) for s in dec.sites}
+    norms = {s: np.linalg.norm(np.asarray(state.components.V[s]), axis=0)
+             * np.linalg.norm(U[s], axis=1) for s in dec.sites}  # |V_c| |U_c|
     fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
     for ax, s in zip(axes[0], dec.sites):
-        V = np.asarray(state.components.V[s])
-        U = np.asarray(state.components.U[s])
-        norms = np.linalg.norm(V, axis=0) * np.linalg.norm(U, axis=1)
-        ax.bar(np.arange(len(norms)), np.sort(norms)[::-1])
-        ax.set_title(f"component norms |V_c||U_c|: {s}")
+        ax.bar(np.arange(len(norms[s])), np.sort(norms[s])[::-1])
+        ax.set_title(f"{s}\ncomponent norms |V_c||U_c|", fontsize=9)
         ax.set_yscale("log")
     written.append(_save(fig, out_dir, "component_norms.png"))
 
     fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
     for ax, s in zip(axes[0], dec.sites):
-        V = np.asarray(state.components.V[s])
-        U = np.asarray(state.components.U[s])
-        norms = np.linalg.norm(V, axis=0) * np.linalg.norm(U, axis=1)
-        keep = np.argsort(norms)[::-1][: min(len(norms), 12)]
-        ax.imshow(U[keep], cmap="RdBu", aspect="auto",
-                  vmin=-np.abs(U[keep]).max(), vmax=np.abs(U[keep]).max())
-        ax.set_title(f"U rows of the largest components: {s}")
+        keep = np.argsort(norms[s])[::-1][: min(len(norms[s]), 12)]
+        Uk = U[s][keep]
+        ax.imshow(Uk, cmap="RdBu", aspect="auto", vmin=-np.abs(Uk).max(), vmax=np.abs(Uk).max())
+        ax.set_title(f"{s}\nU rows of the largest components", fontsize=9)
         ax.set_ylabel("component (by norm)")
         ax.set_xlabel("d_out")
     written.append(_save(fig, out_dir, "component_weights.png"))
@@ -186,7 +183,7 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
     for ax, s in zip(axes[0], dec.sites):
         ax.hist(np.asarray(ci[s]).ravel(), bins=50, range=(0, 1))
         ax.set_yscale("log")
-        ax.set_title(f"CI (lower) histogram: {s}")
+        ax.set_title(f"{s}\nCI (lower) histogram", fontsize=9)
     written.append(_save(fig, out_dir, "ci_histograms.png"))
 
     thr = dec.cfg.eval.ci_alive_threshold
