@@ -6,6 +6,8 @@
   = 1 - device_only / loop, steps/s and peak RSS.
 - `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
   a subprocess, plus its peak RSS.
+- `replay`: the full step vs the repeat step (their ratio), and the per-step time of whole
+  replay windows in each CI-update mode relative to `every`.
 - `ckpt`: per checkpoint, the time the loop blocks, the background write + commit time, the
   bytes written, and how many of them are replay-window state.
 - for LM targets, `step` also splits the step between the CI fn and the rest: the full
@@ -123,6 +125,52 @@ def ci_fn_split(trainer, state, n: int) -> dict:
             "ci_fn_share": max(0.0, 1.0 - repeat_s / full_s)}
 
 
+def bench_replay(args: list[str]) -> int:
+    """Replay A/B in one process: the full vs the repeat step, and the per-step time of whole
+    windows of k steps in every mode relative to `every` (compiles excluded)."""
+    import jax.numpy as jnp
+
+    from ppgd_tpu import config as config_lib
+    from ppgd_tpu.engine import Trainer
+    from ppgd_tpu.replay import ReplayController
+    from ppgd_tpu.step import Decomposer
+
+    cfg, extra = cli.parse_config_args(args, {"k": ("4", "replay window length"),
+                                              "windows": ("3", "timed windows per mode")})
+    k, windows = int(extra["k"]), int(extra["windows"])
+
+    def with_mode(mode):
+        return config_lib.with_overrides(cfg, {
+            "data.train_batch_replay": k, "data.replay_ci_update": mode,
+            "decomp.steps": max(cfg.decomp.steps - cfg.decomp.steps % k, k),
+            "decomp.ci_fn.detach_inputs": True})
+
+    trainer = Trainer(with_mode("every"))
+    state = trainer.init_state()
+    # ci_fn_split donates the state it is given: hand it a copy
+    report = {"config": cfg.name, "k": k, **ci_fn_split(trainer, jax.tree.map(jnp.copy, state), 5)}
+    report["repeat_over_full"] = report["repeat_step_ms"] / report["full_step_ms"]
+    target = trainer.target
+    for mode in ("every", "first", "last", "mean"):
+        ctl = ReplayController(Decomposer(with_mode(mode), target, trainer.data.batch_shape))
+        st = jax.tree.map(jnp.copy, state)  # each mode starts from the same state
+
+        def run(steps, st):
+            for s in steps:
+                st, m = ctl.step(s, st, target, trainer.batch(s // k))
+            return jax.block_until_ready((st, m))[0]
+
+        st = run(range(k), st)  # the first window compiles every variant the mode uses
+        t = time.perf_counter()
+        run(range(k, k + windows * k), st)
+        report[f"window_step_ms/{mode}"] = 1e3 * (time.perf_counter() - t) / (windows * k)
+    for mode in ("first", "last", "mean"):
+        report[f"window_step_vs_every/{mode}"] = (report[f"window_step_ms/{mode}"]
+                                                  / report["window_step_ms/every"])
+    _print(report)
+    return 0
+
+
 def bench_run(args: list[str]) -> int:
     cfg, extra = cli.parse_config_args(args, {"run_dir": ("", "run dir (default: a temp dir)")})
     run_dir = extra["run_dir"] or tempfile.mkdtemp(prefix="ppgd-bench-run-")
@@ -180,7 +228,7 @@ def bench_ckpt(args: list[str]) -> int:
     return 0
 
 
-CASES = {"step": bench_step, "run": bench_run, "ckpt": bench_ckpt}
+CASES = {"step": bench_step, "run": bench_run, "ckpt": bench_ckpt, "replay": bench_replay}
 
 
 def _print(report: dict) -> None:
