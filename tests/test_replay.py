@@ -201,3 +201,54 @@ def test_optimizer_state_structure_is_the_same_in_every_mode(target):
         _, _, state, _ = _setup(target, mode)
         structs.add(jax.tree.structure(state))
     assert len(structs) == 1
+
+
+# ---------------------------------------------------------------- the same on a tiny LM
+
+
+def _lm(mode="every"):
+    from ppgd_tpu.config import LlamaConfig, from_dict
+    from ppgd_tpu.targets import llama_simple_mlp as lm
+
+    cfg = from_dict(Config, {
+        "target": {"kind": "llama_simple_mlp"},
+        "data": {"batch_size": 2, "train_batch_replay": K, "replay_ci_update": mode},
+        "decomp": {"sites": {"h.*.mlp.*": 3, "h.*.attn.q_proj": 2}, "steps": 16,
+                   "ci_fn": {"kind": "chunkwise_transformer", "d_model": 16, "n_blocks": 1,
+                             "n_heads": 2, "d_mlp": 16}},
+        "loss": {"stochastic": {"stoch": {"routing": "uniform_k"}},
+                 "persistent_pgd": {"ppgd": {"scope": "bsc", "n_warmup": 1}}},
+    })
+    t = lm.init(LlamaConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
+                            d_mlp=24, max_seq_len=8), jax.random.key(0))
+    dec = Decomposer(cfg, t, (2, 6))
+    batch = jax.random.randint(jax.random.key(1), (2, 6), 0, 32)
+    return dec, t, jax.jit(dec.init)(t), batch
+
+
+def test_W3_on_a_tiny_lm_repeat_matches_full_and_compute_ci_is_its_envelope():
+    dec, t, state, batch = _lm()
+    full, env_full, _ = jax.jit(dec.full_keep)(state, t, batch)
+    env = jax.jit(dec.compute_ci)(t, state, batch)
+    _assert_same(env, env_full, rtol=1e-5, atol=1e-6)
+    rep, metrics = jax.jit(dec.repeat)((t, env), state, batch)
+    _assert_same(rep.components, full.components, rtol=1e-5, atol=1e-7)
+    _assert_same(rep.adversaries, full.adversaries, rtol=1e-5, atol=1e-7)
+    _assert_same(rep.ci_fn, state.ci_fn)
+    _assert_same(rep.opt_ci_fn, state.opt_ci_fn)
+    assert "train/grad_norms/summary/ci_fn" not in metrics
+
+
+@pytest.mark.parametrize("mode", ["last", "mean"])  # (`first` is the W3 test's full_keep)
+def test_W2_on_a_tiny_lm_the_ci_fn_trains_once_per_window(mode):
+    dec, t, state, batch = _lm(mode)
+    ctl = ReplayController(dec)
+    updated = []  # (steps = 16: the cosine LR is 0 only at the run's last step [S20])
+    for s in range(2 * K):
+        before = jax.tree.map(jnp.copy, state.ci_fn)
+        state, m = ctl.step(s, state, t, batch)
+        moved = any(not np.array_equal(a, b) for a, b in
+                    zip(_leaves(before), _leaves(state.ci_fn)))
+        assert moved == ("train/grad_norms/summary/ci_fn" in m) == ctl.ci_updated(s)
+        updated.append(moved)
+    assert sum(updated) == 2
