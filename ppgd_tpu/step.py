@@ -10,6 +10,7 @@ envelope cotangent back through one CI-fn vjp.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -23,7 +24,7 @@ from ppgd_tpu.decomp import components as comp_lib
 from ppgd_tpu.decomp import losses
 from ppgd_tpu.decomp.schedules import adamw, apply_update, clip_by_global_norm, global_norm, \
     schedule_value
-from ppgd_tpu.targets.base import SiteMask, Target
+from ppgd_tpu.targets.base import MaskThunk, SiteMask, Target
 
 # fold_in indices of the run key [R1]; draws never depend on the device layout.
 _INIT_COMPONENTS, _INIT_CI, _INIT_ADV = 1, 2, 3
@@ -111,9 +112,11 @@ class Decomposer:
         """One masked forward in compute dtype against the clean output; fp32 divergence."""
         return target.divergence(target.masked_forward(batch, components, masks), clean)
 
-    def ppgd_masks(self, lower, sources) -> dict[str, SiteMask]:
-        """[S12] all sites live, routed everywhere, masks from the adversary's sources."""
-        return {s: losses.mask_from_source(lower[s], sources[s], self.cfg.decomp.use_delta)
+    def ppgd_masks(self, lower, sources) -> dict[str, MaskThunk]:
+        """[S12] all sites live, routed everywhere, masks from the adversary's sources (built
+        at each site inside the forward)."""
+        use_delta = self.cfg.decomp.use_delta
+        return {s: functools.partial(losses.mask_from_source, lower[s], sources[s], use_delta)
                 for s in self.sites}
 
     def _losses(self, key, step, target, batch, clean, components, sources, env: Envelope):

@@ -5,11 +5,13 @@ Everything here is math on the GLOBAL batch; reductions run in fp32 [N1-N3].
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from ppgd_tpu.config import ImpMinConfig, StochasticTerm
-from ppgd_tpu.targets.base import SiteMask
+from ppgd_tpu.targets.base import MaskThunk, SiteMask
 
 
 # ---------------------------------------------------------------- importance minimality
@@ -70,18 +72,21 @@ def stochastic_plan(term: StochasticTerm, sites: tuple[str, ...]) -> list[tuple[
 
 
 def stochastic_masks(key, lower: dict[str, jax.Array], live: tuple[str, ...], routing: str,
-                     use_delta: bool) -> dict[str, SiteMask]:
-    """Masks of one stochastic draw: fresh U[0,1] sources per site, position and channel."""
-    masks = {}
+                     use_delta: bool) -> dict[str, MaskThunk]:
+    """Masks of one stochastic draw: fresh U[0,1] sources per site, position and channel,
+    as thunks drawn inside the forward at each site (only the joint uniform_k routes, one
+    bool per site and position, are drawn up front)."""
     leading = next(iter(lower.values())).shape[:-1]
     routes = uniform_k_routes(jax.random.fold_in(key, 1 << 20), leading, len(live)) \
         if routing == "uniform_k" else None
-    for i, s in enumerate(live):
-        C = lower[s].shape[-1]
-        src = jax.random.uniform(jax.random.fold_in(key, i), (*leading, C + 1))
-        m = mask_from_source(lower[s], src, use_delta)
-        masks[s] = m._replace(route=None if routes is None else routes[i])
-    return masks
+    return {s: functools.partial(_stochastic_site_mask, jax.random.fold_in(key, i), lower[s],
+                                 use_delta, None if routes is None else routes[i])
+            for i, s in enumerate(live)}
+
+
+def _stochastic_site_mask(key, lower, use_delta: bool, route) -> SiteMask:
+    src = jax.random.uniform(key, (*lower.shape[:-1], lower.shape[-1] + 1))
+    return mask_from_source(lower, src, use_delta)._replace(route=route)
 
 
 def stochastic_recon(key, term: StochasticTerm, plan, lower, recon_fn, use_delta: bool):

@@ -33,6 +33,9 @@ class SiteMask(NamedTuple):
     route: jax.Array | None = None  # [*leading] bool
 
 
+MaskThunk = Callable[[], SiteMask]
+
+
 def site_out(x, W, V, U, m: SiteMask):
     """SPEC 2: y = ((x V) * mask) U + (x Δ) * delta_mask, Δ = W - V U; routed or frozen.
 
@@ -82,13 +85,19 @@ class Target(eqx.Module):
         self.forward(inputs, record)
         return {k: taps[k] for k in wanted}
 
-    def masked_forward(self, inputs, components, masks: dict[str, SiteMask]):
-        """[S2] live sites = keys of `masks`; everything else is the frozen path."""
+    def masked_forward(self, inputs, components, masks: dict[str, "SiteMask | MaskThunk"]):
+        """[S2] live sites = keys of `masks`; everything else is the frozen path.
+
+        A mask given as a thunk is built inside the forward, at its site: a rematerialised
+        layer then redraws it in the backward instead of keeping [*leading, C] masks alive.
+        """
 
         def fn(name, x, W):
             if name not in masks:
                 return x @ W
-            return site_out(x, W, components.V[name], components.U[name], masks[name])
+            m = masks[name]
+            m = m() if callable(m) else m
+            return site_out(x, W, components.V[name], components.U[name], m)
 
         return self.forward(inputs, fn)
 
