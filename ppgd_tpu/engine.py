@@ -18,6 +18,7 @@ from absl import logging
 from safetensors.numpy import load_file, save_file
 
 from ppgd_tpu import checkpoint, dist, resume
+from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu.config import Config, config_hash
@@ -32,37 +33,77 @@ from ppgd_tpu.workspace import DECOMPOSITION, FIGURES, RunDir
 MAX_IN_FLIGHT = 8  # multi-process CPU: steps dispatched ahead of the last finished one
 
 
+def batch_shape(cfg: Config, target) -> tuple[int, ...]:
+    """The global training batch: [B, n_features] toy inputs."""
+    return (cfg.data.batch_size, target.n_features)
+
+
 class Trainer:
-    """Everything a run needs, jitted once: the step, the data, the evals."""
+    """Everything a run needs, jitted once on the run's mesh: the step, the data, the evals."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        # Site patterns are checked against the target's sites before any compute.
+        # Site patterns and the mesh are checked before any compute [D3].
         resolve_sites(cfg.decomp.sites, target_build.site_names(cfg.target))
-        self.target = target_build.build(cfg.target)
+        self.mesh = mesh_lib.make_mesh(cfg.mesh)
+        mesh_lib.check_batches(cfg, self.mesh)
+        target = target_build.build(cfg.target)
         B = cfg.data.batch_size
-        n = self.target.n_features
-        self.dec = Decomposer(cfg, self.target, (B, n))
-        target = self.target
-        self.batch = jax.jit(lambda j: target.sample(batch_key(cfg.seed, j), B))
-        self.eval_batch = target.sample(
-            jax.random.fold_in(batch_key(cfg.seed, 0), eval_lib.EVAL_TAG), cfg.eval.batch_size)
-        self.replay = ReplayController(self.dec)
-        self.fast_eval = jax.jit(lambda st, t, x: eval_lib.fast_metrics(self.dec, st, t, x))
-        self.one_hot = jax.jit(lambda st, t: eval_lib.one_hot_ci(self.dec, st, t))
+        self.dec = Decomposer(cfg, target, batch_shape(cfg, target))
+        self.placement = mesh_lib.Placement(cfg, self.mesh, len(self.dec.leading))
+        self._placed(target)
+        self.replay = ReplayController(self.dec, self.shardings)
+        rep = self.placement.replicated
+        self.fast_eval = jax.jit(lambda st, t, x: eval_lib.fast_metrics(self.dec, st, t, x),
+                                 out_shardings=rep)
+        self.one_hot = jax.jit(lambda st, t: eval_lib.one_hot_ci(self.dec, st, t),
+                               out_shardings=rep)
+        self._gather = jax.jit(lambda tree: tree, out_shardings=rep)
+
+    def _placed(self, target) -> None:
+        """The frozen target, the batches and the jit shardings on the mesh. Batch rows are
+        drawn inside a jit whose output is sharded by rows, so each process computes only
+        its own rows; partitionable threefry makes them equal to an unsharded draw [R1]."""
+        cfg, p = self.cfg, self.placement
+        B = cfg.data.batch_size
+        spec = jax.ShapeDtypeStruct(batch_shape(cfg, target), jax.numpy.float32)
+        self.shardings = mesh_lib.step_shardings(p, self.dec, target, spec)
+        self.target = mesh_lib.place(target, self.shardings.target)
+        sample = target.sample  # toy samplers read shapes only: no weights in the HLO
+        self.batch = jax.jit(lambda j: sample(batch_key(cfg.seed, j), B),
+                             out_shardings=self.shardings.batch)
+        n_eval = cfg.eval.batch_size
+        self.eval_batch = jax.jit(
+            lambda: sample(jax.random.fold_in(batch_key(cfg.seed, 0), eval_lib.EVAL_TAG), n_eval),
+            out_shardings=p.sharding("batch", (n_eval, *spec.shape[1:])))()
 
     def init_state(self) -> TrainState:
-        state = jax.jit(self.dec.init)(self.target)
+        """[R1] placed init: the state is created sharded, equal to an unplaced init."""
+        st = self.shardings.state
+        state = jax.jit(self.dec.init, in_shardings=(self.shardings.target,),
+                        out_shardings=st)(self.target)
         if self.cfg.decomp.faithfulness_warmup_steps > 0:
-            state = jax.jit(self.dec.faithfulness_warmup)(state, self.target)
+            state = jax.jit(self.dec.faithfulness_warmup, donate_argnums=0,
+                            out_shardings=st)(state, self.target)
         return state
+
+    def to_host(self, tree):
+        """Numpy copy of a (possibly cross-process sharded) tree, in every process."""
+        return jax.device_get(self._gather(tree))
+
+    def restore(self, run_dir: str, step: int):
+        """Checkpoint leaves placed on THIS run's mesh, whatever mesh wrote them [C4]."""
+        infos = checkpoint.manifest.read_manifest(
+            checkpoint.manifest.step_dir(run_dir, step)).leaves
+        return checkpoint.restore(run_dir, step, shardings=self.placement.names(infos))
 
     def evaluate(self, state: TrainState) -> dict:
         fast, alive = self.fast_eval(state, self.target, self.eval_batch)
         onehot = self.one_hot(state, self.target) if self.target.n_features else None
         fast, alive, onehot = jax.device_get((fast, alive, onehot))
         out = metrics_lib.to_host(fast)
-        out.update(eval_lib.host_metrics(self.dec, jax.device_get(state), self.target, onehot,
+        out.update(eval_lib.host_metrics(self.dec, self.to_host(state), self.to_host(self.target),
+                                         onehot,
                                          {s: np.asarray(a) for s, a in alive.items()}))
         return out
 
@@ -100,7 +141,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                   "Re-run the same command to start over.")
             return {}
     else:  # [C3] resume: no warmup; the window continues on batch start // k [W6]
-        restored = checkpoint.restore(rd.path, start)
+        restored = trainer.restore(rd.path, start)
         state = resume.restore_state(trainer.dec, trainer.target, restored.arrays)
         if start % k:
             resume.restore_window(replay, trainer.dec, state, trainer.target,
@@ -161,12 +202,14 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
 def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState) -> dict:
     """Final eval, decomposition file, figures, then summary.json LAST (WORKSPACE.md)."""
     summary = trainer.evaluate(state)
+    state = trainer.to_host(state)  # every process: the state may span processes
+    eval_batch = trainer.to_host(trainer.eval_batch)
     if dist.is_main():
         writer = metrics_lib.MetricsWriter(rd.path, enabled=True, tensorboard=False)
         writer.write(cfg.decomp.steps, summary)
         save_decomposition(rd.file(DECOMPOSITION), state, trainer.dec.sites)
         if cfg.eval.figures:
-            eval_lib.figures(trainer.dec, state, trainer.target, trainer.eval_batch,
+            eval_lib.figures(trainer.dec, state, trainer.to_host(trainer.target), eval_batch,
                              rd.file(FIGURES))
         summary = {"step": cfg.decomp.steps, **summary}
         rd.write_summary(summary)
