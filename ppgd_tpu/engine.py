@@ -34,8 +34,15 @@ MAX_IN_FLIGHT = 8  # multi-process CPU: steps dispatched ahead of the last finis
 
 
 def batch_shape(cfg: Config, target) -> tuple[int, ...]:
-    """The global training batch: [B, n_features] toy inputs."""
-    return (cfg.data.batch_size, target.n_features)
+    """The global training batch: [B, n_features] toy inputs; [B, T] tokens for a sequence
+    target (T = its max_seq_len until the token-store path says otherwise)."""
+    if target.n_features is not None:
+        return (cfg.data.batch_size, target.n_features)
+    return (cfg.data.batch_size, cfg.target.llama_simple_mlp.max_seq_len)
+
+
+def batch_dtype(target):
+    return jax.numpy.float32 if target.n_features is not None else jax.numpy.int32
 
 
 class Trainer:
@@ -66,7 +73,7 @@ class Trainer:
         its own rows; partitionable threefry makes them equal to an unsharded draw [R1]."""
         cfg, p = self.cfg, self.placement
         B = cfg.data.batch_size
-        spec = jax.ShapeDtypeStruct(batch_shape(cfg, target), jax.numpy.float32)
+        spec = jax.ShapeDtypeStruct(batch_shape(cfg, target), batch_dtype(target))
         self.shardings = mesh_lib.step_shardings(p, self.dec, target, spec)
         self.target = mesh_lib.place(target, self.shardings.target)
         sample = target.sample  # toy samplers read shapes only: no weights in the HLO
