@@ -47,6 +47,19 @@ def _split_value(args: list[str], name: str) -> str | None:
     return None
 
 
+def _join_values(args: list[str], names) -> list[str]:
+    """`--name value` -> `--name=value` for these (string) flags, as absl expects."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in {f"--{n}" for n in names} and i + 1 < len(args):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
 def _define(fv: flags.FlagValues, path: str, tp, default, help_: str) -> None:
     kw = dict(flag_values=fv, help=f"{help_} (default {default!r})")
     if typing.get_origin(tp) is Literal:
@@ -68,6 +81,7 @@ def parse_config_args(args: list[str], extra: dict[str, tuple[str, str]] | None 
     first so its dict entries (recon terms, site patterns) get flags too.
     """
     extra = dict(extra or {})
+    args = _join_values(args, ["config", *extra])
     path = _split_value(args, "config")
     cfg = config_lib.load(path)
     fv = flags.FlagValues()

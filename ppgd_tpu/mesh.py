@@ -327,10 +327,10 @@ def table(rows) -> str:
 # ---------------------------------------------------------------- one run's placements
 
 
-def run_templates(dec, target, batch: jax.ShapeDtypeStruct) -> dict[str, dict]:
-    """Shapes of every step input/output, by group, as {group: {leaf name: struct}}:
-    the train state (checkpoint names), the frozen target, the batch, the replay envelope
-    and accumulator, and the step metrics."""
+def run_templates(dec, target, batch: jax.ShapeDtypeStruct) -> tuple[dict, dict]:
+    """Shapes of every step input/output: ({group: {leaf name: struct}}, {"state", "env":
+    the abstract trees}). Groups: the train state (checkpoint names), the frozen target,
+    the batch, the replay envelope and accumulator, and the step metrics."""
     from ppgd_tpu import resume  # resume -> replay -> step; mesh stays importable alone
 
     state = jax.eval_shape(dec.init, target)
