@@ -55,7 +55,6 @@ class Trainer:
         self.mesh = mesh_lib.make_mesh(cfg.mesh)
         mesh_lib.check_batches(cfg, self.mesh)
         target = target_build.build(cfg.target)
-        B = cfg.data.batch_size
         self.dec = Decomposer(cfg, target, batch_shape(cfg, target))
         self.placement = mesh_lib.Placement(cfg, self.mesh, len(self.dec.leading))
         self._placed(target)

@@ -37,6 +37,7 @@ import re
 
 import jax
 import numpy as np
+from absl import logging
 from flax import linen as nn
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
@@ -125,6 +126,9 @@ def _granules(devices) -> tuple[int, bool]:
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """The run's mesh over all (global) devices; hybrid ICI x DCN across granules."""
+    # [R1] counter-based draws that do not depend on the layout (JAX's default since 0.5;
+    # pinned here because placed init and sharded batch draws rely on it).
+    jax.config.update("jax_threefry_partitionable", True)
     devices = list(jax.devices() if devices is None else devices)
     n_gran, by_process = _granules(devices)
     ici, dcn = axis_sizes(cfg, len(devices), n_gran)
@@ -134,6 +138,8 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
             process_is_granule=by_process)
     else:
         grid = mesh_utils.create_device_mesh([ici[a] for a in AXES], devices)
+    logging.info("mesh %s over %d devices: ICI %s x DCN %s (%d granule(s))",
+                 dict(zip(AXES, grid.shape)), len(devices), ici, dcn, n_gran)
     return Mesh(grid, AXES)
 
 
@@ -162,8 +168,8 @@ def check_batches(cfg: Config, mesh) -> None:
 
 
 def _lead(leading_ndim: int) -> tuple[str, ...]:
-    return ("batch", "seq")[:leading_ndim] if leading_ndim <= 2 else \
-        ("batch", *("seq",) * (leading_ndim - 1))
+    """Logical names of the leading axes: [B] for toys, [B, T] for sequence targets."""
+    return ("batch", *("seq",) * (leading_ndim - 1))
 
 
 def logical_axes(name: str, ndim: int, cfg: Config, leading_ndim: int) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppgd_tpu import config as config_lib
+from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu.config import ImpMinConfig
 from ppgd_tpu.data.toy import batch_key
 from ppgd_tpu.decomp import losses
@@ -49,6 +50,19 @@ def main(config_path: str) -> None:
     whole = host_target.sample(batch_key(cfg.seed, 3), cfg.data.batch_size)
     out["batch_equal"] = bool(np.array_equal(tr.to_host(b), np.asarray(whole)))
     out["batch_shards"] = n_shards(b)
+
+    # the token-store path: a global batch from per-shard row reads (only the rows each
+    # device holds are fetched, once per distinct row range)
+    reads = []
+    rows_np = np.arange(32 * 5, dtype=np.int32).reshape(32, 5)
+
+    def fetch(start, stop):
+        reads.append([start, stop])
+        return rows_np[start:stop]
+
+    gb = mesh_lib.global_batch(fetch, (32, 5), tr.placement.sharding("batch", (32, 5)))
+    out["global_batch_equal"] = bool(np.array_equal(tr.to_host(gb), rows_np))
+    out["global_batch_reads"] = sorted(reads)
 
     # [D2] imp-min with the frequency term: exact global sums inside the log2
     imp = ImpMinConfig(coeff=1.0, freq_coeff=1.0, reference_token_count=50.0)

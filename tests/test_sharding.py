@@ -146,6 +146,8 @@ def test_R1_D1_D2_placed_init_batches_imp_min_and_source_gradients_on_4_devices(
     assert shards["training/adversaries/sc/sources/linear1"] == 1   # sc: replicated [D1]
     # each device drew only its rows, and they are the rows of the whole draw
     assert r["batch_shards"] == 4 and r["batch_equal"]
+    assert r["global_batch_equal"]
+    assert r["global_batch_reads"] == [[0, 8], [8, 16], [16, 24], [24, 32]]
     # [D2] global sums inside the log2: exact, while a mean of per-shard values is not
     assert r["imp_rel"] <= TOL and r["imp_per_shard_mean_rel"] > 1e-2
     assert r["imp_grad_rel"] <= TOL and r["imp_grad_shards"] == 4
