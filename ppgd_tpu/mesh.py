@@ -79,7 +79,6 @@ def _fill(sizes: dict[str, int], total: int, what: str) -> dict[str, int]:
             raise MeshError(f"mesh.{k}: {v} is not a size; use a positive integer or -1")
     free = [k for k, v in sizes.items() if v == -1]
     if len(free) > 1:
-        # DCN/ICI defaults both say -1 for `data`; fsdp's -1 wins only when data is given.
         raise MeshError(f"mesh.{', mesh.'.join(free)}: at most one of these may be -1 (the "
                         f"rest of the {total} {what})")
     fixed = math.prod(v for v in sizes.values() if v != -1)
@@ -101,14 +100,10 @@ def axis_sizes(cfg: MeshConfig, n_devices: int, n_granules: int = 1
     if n_devices % n_granules:
         raise MeshError(f"{n_devices} devices do not split evenly into {n_granules} "
                         "slices/processes")
-    ici = {"data": cfg.data, "fsdp": cfg.fsdp}
-    if ici["data"] == -1 and ici["fsdp"] == -1:
-        raise MeshError("mesh.data, mesh.fsdp: at most one may be -1")
-    dcn = {"dcn_data": cfg.dcn_data, "dcn_fsdp": cfg.dcn_fsdp}
-    if dcn["dcn_data"] == -1 and dcn["dcn_fsdp"] == -1:
-        raise MeshError("mesh.dcn_data, mesh.dcn_fsdp: at most one may be -1")
-    ici = _fill(ici, n_devices // n_granules, "devices per slice/process")
-    dcn = _fill(dcn, n_granules, "slices/processes")
+    ici = _fill({"data": cfg.data, "fsdp": cfg.fsdp}, n_devices // n_granules,
+                "devices per slice/process")
+    dcn = _fill({"dcn_data": cfg.dcn_data, "dcn_fsdp": cfg.dcn_fsdp}, n_granules,
+                "slices/processes")
     return ici, {"data": dcn["dcn_data"], "fsdp": dcn["dcn_fsdp"]}
 
 
@@ -118,10 +113,15 @@ def mesh_shape(cfg: MeshConfig, n_devices: int, n_granules: int = 1) -> dict[str
 
 
 def _granules(devices) -> tuple[int, bool]:
-    """(number of granules, whether a granule is a process rather than a TPU slice)."""
-    if hasattr(devices[0], "slice_index"):
-        return len({d.slice_index for d in devices}), False
-    return len({d.process_index for d in devices}), True
+    """(number of granules, whether a granule is a process rather than a TPU slice).
+    TPU slices are joined by DCN; a multi-host TPU slice is one ICI granule. Off TPU
+    (CPU over gloo, GPU hosts) every process is a granule."""
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    if len(slices) > 1:
+        return len(slices), False
+    if devices[0].platform != "tpu":
+        return len({d.process_index for d in devices}), True
+    return 1, False
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:

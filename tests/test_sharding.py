@@ -23,6 +23,8 @@ TOL = 1e-5  # [D3] float reassociation only
 CONFIG = f"""
 name: d3_toy
 seed: 3
+target:  # 8 features x 4 hidden: every V/U dim divides over fsdp = 2
+  tms: {{n_features: 8, n_hidden: 4, train_steps: 300, train_batch: 256, check_tol: 1.0}}
 data: {{batch_size: 32, train_batch_replay: 4}}
 decomp: {{steps: {STEPS}, faithfulness_warmup_steps: 2, ci_fn: {{detach_inputs: true}}}}
 loss:
@@ -31,7 +33,12 @@ loss:
     bsc: {{scope: bsc, coeff: 0.5}}
 eval: {{batch_size: 64, every: 0, figures: false, pgd_steps: 2}}
 log: {{every: 1, progress: false, tensorboard: false}}
+mesh: {{fsdp_min_elements: 0}}  # V/U and their moments FSDP-sharded wherever fsdp > 1
 """
+# 1 device; 4 devices as data 2 x fsdp 2; 2 processes x 2 devices as the hybrid mesh
+# DCN data 2 x ICI fsdp 2 (FSDP inside a process, data across processes).
+MESH = {"1": [], "4": ["--mesh.data=2", "--mesh.fsdp=2"], "2x2": ["--mesh.data=1",
+                                                                  "--mesh.fsdp=2"]}
 LAYOUTS = ("1", "4", "2x2")
 _COMPILE_CACHE = {}  # one persistent XLA cache for this module's subprocesses (not ~/.cache)
 
@@ -53,7 +60,7 @@ def _run(args: list[str], devices: int = 1, expect: int = 0) -> str:
 
 
 def _train(layout: str, run_dir, config, extra=()):
-    args = ["train", f"--config={config}", f"--run_dir={run_dir}", *extra]
+    args = ["train", f"--config={config}", f"--run_dir={run_dir}", *MESH[layout], *extra]
     if layout == "2x2":
         return _run(["launch-local", "--processes", "2", "--devices_per_process", "2", "--",
                      *args])
@@ -102,21 +109,24 @@ def runs(tmp_path_factory):
             extra = [f"--data.replay_ci_update={mode}"]
             if (mode, layout) == ("first", "2x2"):  # every step kept: the restore cases
                 extra += ["--checkpoint.every=1", f"--checkpoint.keep_last_n={STEPS + 1}"]
-            _train(layout, d, config, extra)
             out[mode, layout] = d
+            out["log", mode, layout] = _train(layout, d, config, extra)
     return out
 
 
 @pytest.mark.parametrize("mode", ["every", "first"])
 def test_D3_same_trajectory_on_1_device_4_devices_and_2_processes(runs, mode):
     """sc and bsc adversaries, replay k = 4: metrics and final state agree to 1e-5."""
+    assert "mesh {'data': 2, 'fsdp': 2} over 4 devices: ICI {'data': 1, 'fsdp': 2} x DCN " \
+        "{'data': 2, 'fsdp': 1} (2 granule(s))" in runs["log", mode, "2x2"]
     for layout in ("4", "2x2"):
         _assert_same(runs[mode, "1"], runs[mode, layout], f"{mode}: 1 device vs {layout}")
 
 
 @pytest.mark.parametrize("devices", [1, 4])
 def test_C4_a_checkpoint_written_by_2x2_resumes_on_another_mesh(runs, tmp_path, devices):
-    """Mid-window (t = 2 of k = 4, `first` stores the envelope) restore of a 2-process
+    """FSDP-sharded leaves written by 2 processes are read back onto 1 device and onto a
+    4-device data-only mesh. Mid-window (t = 2 of k = 4, `first` stores the envelope) restore of a 2-process
     checkpoint onto 1 and onto 4 devices continues the straight trajectory [C3, C4, W6]."""
     straight = runs["first", "2x2"]
     run = tmp_path / "resumed"
@@ -126,7 +136,11 @@ def test_C4_a_checkpoint_written_by_2x2_resumes_on_another_mesh(runs, tmp_path, 
         if int(d) > 6:
             shutil.rmtree(run / "ckpts" / d)
     assert "training/replay/envelope/lower/linear1" in _leaves(run, 6)
-    out = _train(str(devices), run, runs["config"], ["--data.replay_ci_update=first"])
+    # the resumed run keeps this layout's default mesh (data = devices): another mesh shape
+    # than the writer's data 2 x fsdp 2, which resume allows [C3]
+    args = ["train", f"--config={runs['config']}", f"--run_dir={run}",
+            "--data.replay_ci_update=first"]
+    out = _run(args, devices=devices)
     assert "resumed from the checkpoint at step 6" in out
     _assert_same(straight, run, f"2x2 -> {devices} devices", from_step=6)
 
