@@ -125,9 +125,9 @@ def test_D3_same_trajectory_on_1_device_4_devices_and_2_processes(runs, mode):
 
 @pytest.mark.parametrize("devices", [1, 4])
 def test_C4_a_checkpoint_written_by_2x2_resumes_on_another_mesh(runs, tmp_path, devices):
-    """FSDP-sharded leaves written by 2 processes are read back onto 1 device and onto a
-    4-device data-only mesh. Mid-window (t = 2 of k = 4, `first` stores the envelope) restore of a 2-process
-    checkpoint onto 1 and onto 4 devices continues the straight trajectory [C3, C4, W6]."""
+    """FSDP-sharded leaves written by 2 processes, read back mid-window (t = 2 of k = 4;
+    `first` stores the envelope) onto 1 device and onto a 4-device data-only mesh, continue
+    the straight trajectory [C3, C4, W6]."""
     straight = runs["first", "2x2"]
     run = tmp_path / "resumed"
     shutil.copytree(straight, run)
