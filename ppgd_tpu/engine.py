@@ -208,15 +208,14 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
 def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState) -> dict:
     """Final eval, decomposition file, figures, then summary.json LAST (WORKSPACE.md)."""
     summary = trainer.evaluate(state)
-    state = trainer.to_host(state)  # every process: the state may span processes
-    eval_batch = trainer.to_host(trainer.eval_batch)
+    # collectives: every process fetches, since the arrays may span processes
+    state, target, eval_batch = trainer.to_host((state, trainer.target, trainer.eval_batch))
     if dist.is_main():
         writer = metrics_lib.MetricsWriter(rd.path, enabled=True, tensorboard=False)
         writer.write(cfg.decomp.steps, summary)
         save_decomposition(rd.file(DECOMPOSITION), state, trainer.dec.sites)
         if cfg.eval.figures:
-            eval_lib.figures(trainer.dec, state, trainer.to_host(trainer.target), eval_batch,
-                             rd.file(FIGURES))
+            eval_lib.figures(trainer.dec, state, target, eval_batch, rd.file(FIGURES))
         summary = {"step": cfg.decomp.steps, **summary}
         rd.write_summary(summary)
         print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
