@@ -9,6 +9,12 @@
   leaves shrink with the device count, replicated ones do not.
 - `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
   a subprocess, plus its peak RSS.
+- `replay`: the full step vs the repeat step (their ratio), and the per-step time of whole
+  replay windows in each CI-update mode relative to `every`.
+- `ckpt`: per checkpoint, the time the loop blocks, the background write + commit time, the
+  bytes written, and how many of them are replay-window state.
+- for LM targets, `step` also splits the step between the CI fn and the rest: the full
+  step vs the repeat step (no taps, no CI fn forward/backward [W3]) and their difference.
 """
 
 from __future__ import annotations
@@ -98,16 +104,19 @@ def bench_step(args: list[str]) -> int:
     loop_s = (time.perf_counter() - t) / n
 
     B, seed = cfg.data.batch_size, cfg.seed
+    lm = trainer.eval_labels is not None
+    fixed = trainer.batch(0) if lm else None  # token batches come from the host
 
-    def device_loop(st, tg):
+    def device_loop(st, tg, fixed):
         def body(i, s):
-            return dec.full(s, tg, tg.sample(batch_key(seed, i), B))[0]
+            x = fixed if fixed is not None else tg.sample(batch_key(seed, i), B)
+            return dec.full(s, tg, x)[0]
         return jax.lax.fori_loop(0, n, body, st)
 
     run_loop = jax.jit(device_loop, donate_argnums=0)
-    state = jax.block_until_ready(run_loop(state, target))  # compile
+    state = jax.block_until_ready(run_loop(state, target, fixed))  # compile
     t = time.perf_counter()
-    state = jax.block_until_ready(run_loop(state, target))
+    state = jax.block_until_ready(run_loop(state, target, fixed))
     device_s = (time.perf_counter() - t) / n
 
     report = {
@@ -126,6 +135,80 @@ def bench_step(args: list[str]) -> int:
         "steps_per_s": 1.0 / loop_s,
         "peak_rss_mb": _peak_rss_mb(),
     }
+    if lm:
+        report.update(ci_fn_split(trainer, state, n))
+    _print(report)
+    return 0
+
+
+def ci_fn_split(trainer, state, n: int) -> dict:
+    """The CI fn's share of a step: the full step vs the repeat step on a cached envelope
+    (which skips the taps and the CI fn's forward and backward [W3]), both on data batch 0,
+    medians of individually timed steps."""
+    target, replay = trainer.target, trainer.replay
+    batch = trainer.batch(0)
+    env = replay.compute_ci(target, state, batch)
+
+    def timed(run, state):
+        state, m = run(state)  # compile / warm up
+        jax.block_until_ready((state, m))
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            state, m = run(state)
+            jax.block_until_ready((state, m))
+            times.append(time.perf_counter() - t)
+        return state, float(np.median(times))
+
+    state, full_s = timed(lambda st: replay.full(st, target, batch), state)
+    state, repeat_s = timed(lambda st: replay.repeat((target, env), st, batch), state)
+    return {"full_step_ms": 1e3 * full_s, "repeat_step_ms": 1e3 * repeat_s,
+            "ci_fn_ms": 1e3 * (full_s - repeat_s),
+            "ci_fn_share": max(0.0, 1.0 - repeat_s / full_s)}
+
+
+def bench_replay(args: list[str]) -> int:
+    """Replay A/B in one process: the full vs the repeat step, and the per-step time of whole
+    windows of k steps in every mode relative to `every` (compiles excluded)."""
+    import jax.numpy as jnp
+
+    from ppgd_tpu import config as config_lib
+    from ppgd_tpu.engine import Trainer
+    from ppgd_tpu.replay import ReplayController
+    from ppgd_tpu.step import Decomposer
+
+    cfg, extra = cli.parse_config_args(args, {"k": ("4", "replay window length"),
+                                              "windows": ("3", "timed windows per mode")})
+    k, windows = int(extra["k"]), int(extra["windows"])
+
+    def with_mode(mode):
+        return config_lib.with_overrides(cfg, {
+            "data.train_batch_replay": k, "data.replay_ci_update": mode,
+            "decomp.steps": max(cfg.decomp.steps - cfg.decomp.steps % k, k),
+            "decomp.ci_fn.detach_inputs": True})
+
+    trainer = Trainer(with_mode("every"))
+    state = trainer.init_state()
+    # ci_fn_split donates the state it is given: hand it a copy
+    report = {"config": cfg.name, "k": k, **ci_fn_split(trainer, jax.tree.map(jnp.copy, state), 5)}
+    report["repeat_over_full"] = report["repeat_step_ms"] / report["full_step_ms"]
+    target = trainer.target
+    for mode in ("every", "first", "last", "mean"):
+        ctl = ReplayController(Decomposer(with_mode(mode), target, trainer.data.batch_shape))
+        st = jax.tree.map(jnp.copy, state)  # each mode starts from the same state
+
+        def run(steps, st):
+            for s in steps:
+                st, m = ctl.step(s, st, target, trainer.batch(s // k))
+            return jax.block_until_ready((st, m))[0]
+
+        st = run(range(k), st)  # the first window compiles every variant the mode uses
+        t = time.perf_counter()
+        run(range(k, k + windows * k), st)
+        report[f"window_step_ms/{mode}"] = 1e3 * (time.perf_counter() - t) / (windows * k)
+    for mode in ("first", "last", "mean"):
+        report[f"window_step_vs_every/{mode}"] = (report[f"window_step_ms/{mode}"]
+                                                  / report["window_step_ms/every"])
     _print(report)
     return 0
 
@@ -146,11 +229,48 @@ def bench_run(args: list[str]) -> int:
     _print({"config": cfg.name, "steps": cfg.decomp.steps, "wall_s": wall,
             "steps_per_s_overall": cfg.decomp.steps / wall,
             "peak_rss_mb": _peak_rss_mb(resource.RUSAGE_CHILDREN), "run_dir": run_dir,
-            **{k: v for k, v in summary.items() if k.startswith("eval/recon")}})
+            **{k: v for k, v in summary.items()
+               if k.startswith(("eval/recon", "eval/kl", "eval/ce"))}})
     return 0
 
 
-CASES = {"step": bench_step, "run": bench_run}
+def bench_ckpt(args: list[str]) -> int:
+    """Per save: time the loop blocks (device-to-host copy), background write+commit time,
+    bytes, and the share of the window state (replay envelope / accumulator) in them."""
+    from ppgd_tpu import checkpoint, resume
+    from ppgd_tpu.engine import Trainer
+
+    cfg, extra = cli.parse_config_args(args, {"n_saves": ("5", "saves to time"),
+                                              "run_dir": ("", "where to write (default: temp)")})
+    run_dir = extra["run_dir"] or tempfile.mkdtemp(prefix="ppgd-bench-ckpt-")
+    trainer = Trainer(cfg)
+    state = trainer.init_state()
+    k = cfg.data.train_batch_replay
+    block, commit, sizes, window_bytes = [], [], [], []
+    with checkpoint.Checkpointer(run_dir, keep_last_n=2) as saver:
+        for i in range(int(extra["n_saves"])):
+            for s in range(i * k, i * k + k // 2 + 1):  # stop mid-window when k > 1
+                state, _ = trainer.replay.step(s, state, trainer.target, trainer.batch(s // k))
+            leaves = resume.checkpoint_leaves(state, trainer.replay)
+            jax.block_until_ready(leaves)
+            t = time.perf_counter()
+            saver.save(int(state.step), leaves)
+            block.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            saver.wait()
+            commit.append(time.perf_counter() - t)
+            sizes.append(checkpoint.ls(run_dir)[-1].bytes)
+            window_bytes.append(sum(np.asarray(v).nbytes for n, v in leaves.items()
+                                    if n.startswith("training/replay/")))
+    _print({"config": cfg.name, "replay": f"{cfg.data.replay_ci_update} k={k}",
+            "loop_block_ms_median": 1e3 * float(np.median(block)),
+            "background_commit_ms_median": 1e3 * float(np.median(commit)),
+            "bytes_per_checkpoint": int(np.median(sizes)),
+            "window_state_bytes": int(np.median(window_bytes)), "run_dir": run_dir})
+    return 0
+
+
+CASES = {"step": bench_step, "run": bench_run, "ckpt": bench_ckpt, "replay": bench_replay}
 
 
 def _print(report: dict) -> None:

@@ -17,7 +17,7 @@ from typing import Literal
 from absl import flags, logging
 
 from ppgd_tpu import config as config_lib
-from ppgd_tpu.config import Config, ConfigError
+from ppgd_tpu.config import ConfigError
 
 USAGE = """usage: ppgd-tpu <command> [flags]
 

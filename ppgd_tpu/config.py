@@ -218,6 +218,11 @@ class DataConfig:
     train_batch_replay: int = _f(1, "k: steps per data batch (SPEC 7) [W1]", lo=1)
     replay_ci_update: Literal["every", "first", "last", "mean"] = _f(
         "every", "how often the CI fn trains inside a replay window [W2]")
+    store: str = _f("", "LM targets: token store (`ppgd-tpu tokenize`; local path or "
+                    "gs://bucket/prefix); rows give inputs row[:-1] and labels row[1:]")
+    eval_rows: int = _f(0, "LM targets: store rows held out (the first ones) for eval, as "
+                        "in LM pretraining; 0 = eval draws from all rows", lo=0)
+    eval_seed: int = _f(1, "LM targets: seed of the eval rows' order (the eval batch)")
 
 
 @dataclass(frozen=True)
@@ -279,7 +284,7 @@ class Config:
 
 # Fields that may differ when resuming a run: they do not change the trajectory (another
 # mesh changes it only by float reassociation [C3, D3]).
-RESUMABLE_PREFIXES = ("name", "eval.", "log.", "checkpoint.", "mesh.")
+RESUMABLE_PREFIXES = ("name", "eval.", "log.", "checkpoint.", "data.eval_seed", "mesh.")
 
 
 # ---------------------------------------------------------------- building from dicts

@@ -202,6 +202,7 @@ def initialize(
             cluster_detection_method="deactivate",
         )
     elif _on_cloud_tpu_vm():
+        _export_tpu_coordinator_port()
         jax.distributed.initialize(initialization_timeout=timeout_s)
     from jax._src import distributed
 
@@ -228,6 +229,17 @@ def shutdown() -> None:
     if _state.client is not None:
         _state.client = None
         jax.distributed.shutdown()
+
+
+def _export_tpu_coordinator_port() -> None:
+    """launch/tpu_pod.sh chooses the coordinator port (PPGD_COORDINATOR_PORT); JAX's TPU
+    cluster detection reads it as JAX_COORDINATOR_PORT (worker 0's address stays detected)."""
+    port = os.environ.get("PPGD_COORDINATOR_PORT")
+    if port is None:
+        return
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"PPGD_COORDINATOR_PORT={port!r}: expected a port number 1-65535")
+    os.environ["JAX_COORDINATOR_PORT"] = port
 
 
 def _on_cloud_tpu_vm() -> bool:

@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import time
 
 import jax
 import numpy as np
 from absl import logging
-from safetensors.numpy import load_file, save_file
+from safetensors import numpy as safetensors_numpy
 
-from ppgd_tpu import checkpoint, dist, resume
+from ppgd_tpu import checkpoint, dist, resume, storage
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu.config import Config, config_hash
-from ppgd_tpu.data.toy import batch_key
+from ppgd_tpu.data import lm as data_lib
 from ppgd_tpu.decomp.components import resolve_sites
 from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import Decomposer, TrainState
@@ -34,8 +33,9 @@ MAX_IN_FLIGHT = 8  # multi-process CPU: steps dispatched ahead of the last finis
 
 
 def batch_shape(cfg: Config, target) -> tuple[int, ...]:
-    """The global training batch: [B, n_features] toy inputs; [B, T] tokens for a sequence
-    target (T = its max_seq_len until the token-store path says otherwise)."""
+    """The training batch for `ppgd-tpu shardings` (shapes only, no store opened): [B,
+    n_features] toy inputs; [B, T] tokens with T = the target's max_seq_len (a run's T is
+    its store's row length - 1, data/lm.py)."""
     if target.n_features is not None:
         return (cfg.data.batch_size, target.n_features)
     return (cfg.data.batch_size, cfg.target.llama_simple_mlp.max_seq_len)
@@ -55,33 +55,24 @@ class Trainer:
         self.mesh = mesh_lib.make_mesh(cfg.mesh)
         mesh_lib.check_batches(cfg, self.mesh)
         target = target_build.build(cfg.target)
-        self.dec = Decomposer(cfg, target, batch_shape(cfg, target))
-        self.placement = mesh_lib.Placement(cfg, self.mesh, len(self.dec.leading))
-        self._placed(target)
+        self.placement = mesh_lib.Placement(cfg, self.mesh, len(target.leading_shape((1, 1))))
+        # Toys: batches drawn from (seed, j); LMs: token-store rows [B, T] (data/lm.py). Both
+        # land row-sharded on the mesh, each process producing only its own rows.
+        self.data = data_lib.make(cfg, target, lambda shape: self.placement.sharding("batch",
+                                                                                     shape))
+        self.batch = self.data.batch
+        self.eval_batch, self.eval_labels = self.data.eval_batch, self.data.eval_labels
+        self.dec = Decomposer(cfg, target, self.data.batch_shape)
+        spec = jax.ShapeDtypeStruct(self.data.batch_shape, self.eval_batch.dtype)
+        self.shardings = mesh_lib.step_shardings(self.placement, self.dec, target, spec)
+        self.target = mesh_lib.place(target, self.shardings.target)
         self.replay = ReplayController(self.dec, self.shardings)
         rep = self.placement.replicated
-        self.fast_eval = jax.jit(lambda st, t, x: eval_lib.fast_metrics(self.dec, st, t, x),
-                                 out_shardings=rep)
+        self.fast_eval = jax.jit(
+            lambda st, t, x, y: eval_lib.fast_metrics(self.dec, st, t, x, y), out_shardings=rep)
         self.one_hot = jax.jit(lambda st, t: eval_lib.one_hot_ci(self.dec, st, t),
                                out_shardings=rep)
         self._gather = jax.jit(lambda tree: tree, out_shardings=rep)
-
-    def _placed(self, target) -> None:
-        """The frozen target, the batches and the jit shardings on the mesh. Batch rows are
-        drawn inside a jit whose output is sharded by rows, so each process computes only
-        its own rows; partitionable threefry makes them equal to an unsharded draw [R1]."""
-        cfg, p = self.cfg, self.placement
-        B = cfg.data.batch_size
-        spec = jax.ShapeDtypeStruct(batch_shape(cfg, target), batch_dtype(target))
-        self.shardings = mesh_lib.step_shardings(p, self.dec, target, spec)
-        self.target = mesh_lib.place(target, self.shardings.target)
-        sample = target.sample  # toy samplers read shapes only: no weights in the HLO
-        self.batch = jax.jit(lambda j: sample(batch_key(cfg.seed, j), B),
-                             out_shardings=self.shardings.batch)
-        n_eval = cfg.eval.batch_size
-        self.eval_batch = jax.jit(
-            lambda: sample(jax.random.fold_in(batch_key(cfg.seed, 0), eval_lib.EVAL_TAG), n_eval),
-            out_shardings=p.sharding("batch", (n_eval, *spec.shape[1:])))()
 
     def init_state(self) -> TrainState:
         """[R1] placed init: the state is created sharded, equal to an unplaced init."""
@@ -104,7 +95,7 @@ class Trainer:
         return checkpoint.restore(run_dir, step, shardings=self.placement.names(infos))
 
     def evaluate(self, state: TrainState) -> dict:
-        fast, alive = self.fast_eval(state, self.target, self.eval_batch)
+        fast, alive = self.fast_eval(state, self.target, self.eval_batch, self.eval_labels)
         onehot = self.one_hot(state, self.target) if self.target.n_features else None
         fast, alive, onehot = jax.device_get((fast, alive, onehot))
         out = metrics_lib.to_host(fast)
@@ -121,15 +112,14 @@ def train(cfg: Config, run_dir: str) -> dict:
         rd.check_compatible(cfg)
         if rd.complete:
             print(f"{run_dir}: already complete (summary.json exists); nothing to do.")
-            with open(rd.file("summary.json")) as fh:
-                return json.load(fh)
+            return rd.read_summary()
     trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
     if dist.is_main() and not rd.exists:
         rd.create(cfg)
     dist.barrier("run_dir_ready")
-    logging.info("%srun dir %s", dist.tag(), os.path.abspath(run_dir))
+    logging.info("%srun dir %s", dist.tag(), rd.path)
     saver = checkpoint.Checkpointer(
-        run_dir, keep_last_n=cfg.checkpoint.keep_last_n,
+        rd.path, keep_last_n=cfg.checkpoint.keep_last_n,
         keep_every=cfg.checkpoint.keep_every or None, config_hash=config_hash(cfg),
         barrier=dist.barrier if jax.process_count() > 1 else None)
     with dist.StopSignal() as stop, saver:
@@ -228,19 +218,30 @@ def save_decomposition(path: str, state: TrainState, sites) -> None:
     for s in sites:
         tensors[f"{s}/V"] = np.asarray(comps.V[s])
         tensors[f"{s}/U"] = np.asarray(comps.U[s])
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={"sites": json.dumps(list(sites))})
-    os.replace(tmp, path)
+    storage.write_bytes(path, safetensors_numpy.save(
+        tensors, metadata={"sites": json.dumps(list(sites))}))
 
 
 def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
-    """The consumer API: final components as numpy, {site: {"V": [d_in, C], "U": [C, d_out]}}."""
-    path = os.path.join(run_dir, DECOMPOSITION)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{run_dir}: no finished decomposition ({DECOMPOSITION} missing)")
-    flat = load_file(path)
+    """The consumer API: components as numpy, {site: {"V": [d_in, C], "U": [C, d_out]}}.
+
+    A finished run's decomposition.safetensors; for a run still going (or stopped), the
+    `decomposition` part of its latest committed checkpoint [C2] (no mesh needed).
+    """
+    path = storage.join(storage.normalize(run_dir), DECOMPOSITION)
     out: dict[str, dict[str, np.ndarray]] = {}
-    for name, arr in flat.items():
-        site, part = name.rsplit("/", 1)
-        out.setdefault(site, {})[part] = arr
+    if storage.exists(path):
+        for name, arr in safetensors_numpy.load(storage.read_bytes(path)).items():
+            site, part = name.rsplit("/", 1)
+            out.setdefault(site, {})[part] = arr
+        return out
+    if checkpoint.latest_step(run_dir) is None:
+        raise FileNotFoundError(f"{run_dir}: no decomposition yet ({DECOMPOSITION} missing and "
+                                "no committed checkpoint)")
+    arrays = checkpoint.restore(run_dir, parts=("decomposition",)).arrays
+    prefix = "decomposition/components/"
+    for name, arr in arrays.items():
+        if name.startswith(prefix):
+            part, site = name[len(prefix):].split("/", 1)
+            out.setdefault(site, {})[part] = np.asarray(arr)
     return out

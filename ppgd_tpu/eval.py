@@ -4,30 +4,37 @@ figure tier (PNG files at the end).
 Recon metrics are the divergence of a masked forward against the clean output:
 `unmasked` (components only, every mask 1), `ci_masked` (mask = CI lower, no delta),
 `stochastic` (the training masks), `pgd` (a fresh sign-PGD probe on a shared source) and
-`zero` (every decomposed site outputs 0) for scale. Toys with known features add, on the
+`zero` (every decomposed site outputs 0) for scale. LMs name them `eval/kl/<kind>`, add
+`rounded` (mask = round(CI lower)) and the next-token CE of every kind and of the clean
+model (`eval/ce/<kind>`, `eval/ce/clean`). Toys with known features add, on the
 one-hot inputs 0.75 e_i, the identity-CI error and MMCS (TOYS.md, "Metrics").
 """
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from ppgd_tpu import storage
+from ppgd_tpu.data.toy import EVAL_TAG
 from ppgd_tpu.decomp import adversary as adv_lib
 from ppgd_tpu.decomp import components as comp_lib
 from ppgd_tpu.decomp import losses
 from ppgd_tpu.step import Decomposer, TrainState
 from ppgd_tpu.targets.base import SiteMask, Target
 
-EVAL_TAG = 0xE7A1  # fold_in index of eval draws
 
+def fast_metrics(dec: Decomposer, state: TrainState, target: Target, batch, labels=None):
+    """Device-side fast tier (jit this): (scalars, {site: bool [C] alive components}).
 
-def fast_metrics(dec: Decomposer, state: TrainState, target: Target, batch):
-    """Device-side fast tier (jit this): (scalars, {site: bool [C] alive components})."""
+    `labels` (LMs: the next tokens [B, T]) switches on the LM metrics: the recon divergence
+    is reported as `eval/kl/<kind>` (it is the KL [S25]), each kind also gets the next-token
+    CE `eval/ce/<kind>` of its masked model, `eval/ce/clean` is the frozen model's CE, and a
+    `rounded` kind (mask = round(CI lower)) is added. Toys report `eval/recon/<kind>`.
+    """
     cfg = dec.cfg
     key = jax.random.fold_in(jax.random.fold_in(dec.run_key(), EVAL_TAG), state.step)
     comps = state.components
@@ -44,18 +51,36 @@ def fast_metrics(dec: Decomposer, state: TrainState, target: Target, batch):
     def recon(masks):
         return dec.recon(target, batch, comps, masks, clean)
 
-    out["eval/recon/unmasked"] = recon({s: SiteMask(jnp.ones_like(ci.lower[s])) for s in dec.sites})
-    out["eval/recon/ci_masked"] = recon({s: SiteMask(ci.lower[s]) for s in dec.sites})
-    out["eval/recon/zero"] = recon({s: SiteMask(jnp.zeros_like(ci.lower[s])) for s in dec.sites})
-    out["eval/recon/stochastic"] = recon(losses.stochastic_masks(
-        jax.random.fold_in(key, 0), ci.lower, dec.sites, "all", cfg.decomp.use_delta))
+    masks = {
+        "unmasked": {s: SiteMask(jnp.ones_like(ci.lower[s])) for s in dec.sites},
+        "ci_masked": {s: SiteMask(ci.lower[s]) for s in dec.sites},
+        "zero": {s: SiteMask(jnp.zeros_like(ci.lower[s])) for s in dec.sites},
+        "stochastic": losses.stochastic_masks(jax.random.fold_in(key, 0), ci.lower, dec.sites,
+                                              "all", cfg.decomp.use_delta),
+    }
+    if labels is not None:
+        masks["rounded"] = {s: SiteMask(jnp.round(ci.lower[s])) for s in dec.sites}
     if cfg.eval.pgd_steps > 0:
         src = adv_lib.sign_pgd(jax.random.fold_in(key, 1), "sc", dec.leading, dec.C,
                                cfg.eval.pgd_steps, cfg.eval.pgd_step_size,
                                lambda s: recon(dec.ppgd_masks(ci.lower, s)))
-        out["eval/recon/pgd"] = recon(dec.ppgd_masks(ci.lower, src))
+        masks["pgd"] = dec.ppgd_masks(ci.lower, src)
+    div = "recon" if labels is None else "kl"
+    for kind, m in masks.items():
+        masked = target.masked_forward(batch, comps, m)
+        out[f"eval/{div}/{kind}"] = target.divergence(masked, clean)
+        if labels is not None:
+            out[f"eval/ce/{kind}"] = next_token_ce(masked, labels)
+    if labels is not None:
+        out["eval/ce/clean"] = next_token_ce(clean, labels)
     out["eval/faithfulness"] = comp_lib.faithfulness(comps, target.site_weights())
     return out, alive
+
+
+def next_token_ce(logits, labels):
+    """Mean cross-entropy of `logits` [B, T, V] against the actual next tokens [B, T], fp32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
 
 def one_hot_ci(dec: Decomposer, state: TrainState, target: Target) -> dict:
@@ -115,9 +140,9 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(out_dir, exist_ok=True)
     written = []
-    ci = jax.device_get(dec.ci(state.ci_fn, state.components, target, batch).lower)
+    ci = {s: _to_host(x) for s, x in dec.ci(state.ci_fn, state.components, target,
+                                            batch).lower.items()}
     n = len(dec.sites)
 
     if target.n_features is not None:
@@ -128,31 +153,28 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
             rows, cols = linear_sum_assignment(-m)
             order = list(cols) + [c for c in range(m.shape[1]) if c not in set(cols)]
             im = ax.imshow(m[:, order], vmin=0, vmax=1, cmap="Blues", aspect="auto")
-            ax.set_title(f"CI on 0.75 e_i: {s}")
+            ax.set_title(f"{s}\nCI on 0.75 e_i", fontsize=9)
             ax.set_xlabel("component (matched first)")
             ax.set_ylabel("input feature")
         fig.colorbar(im, ax=axes[0].tolist())
         written.append(_save(fig, out_dir, "ci_per_feature.png"))
 
+    U = {s: np.asarray(state.components.U[s]) for s in dec.sites}
+    norms = {s: np.linalg.norm(np.asarray(state.components.V[s]), axis=0)
+             * np.linalg.norm(U[s], axis=1) for s in dec.sites}  # |V_c| |U_c|
     fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
     for ax, s in zip(axes[0], dec.sites):
-        V = np.asarray(state.components.V[s])
-        U = np.asarray(state.components.U[s])
-        norms = np.linalg.norm(V, axis=0) * np.linalg.norm(U, axis=1)
-        ax.bar(np.arange(len(norms)), np.sort(norms)[::-1])
-        ax.set_title(f"component norms |V_c||U_c|: {s}")
+        ax.bar(np.arange(len(norms[s])), np.sort(norms[s])[::-1])
+        ax.set_title(f"{s}\ncomponent norms |V_c||U_c|", fontsize=9)
         ax.set_yscale("log")
     written.append(_save(fig, out_dir, "component_norms.png"))
 
     fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
     for ax, s in zip(axes[0], dec.sites):
-        V = np.asarray(state.components.V[s])
-        U = np.asarray(state.components.U[s])
-        norms = np.linalg.norm(V, axis=0) * np.linalg.norm(U, axis=1)
-        keep = np.argsort(norms)[::-1][: min(len(norms), 12)]
-        ax.imshow(U[keep], cmap="RdBu", aspect="auto",
-                  vmin=-np.abs(U[keep]).max(), vmax=np.abs(U[keep]).max())
-        ax.set_title(f"U rows of the largest components: {s}")
+        keep = np.argsort(norms[s])[::-1][: min(len(norms[s]), 12)]
+        Uk = U[s][keep]
+        ax.imshow(Uk, cmap="RdBu", aspect="auto", vmin=-np.abs(Uk).max(), vmax=np.abs(Uk).max())
+        ax.set_title(f"{s}\nU rows of the largest components", fontsize=9)
         ax.set_ylabel("component (by norm)")
         ax.set_xlabel("d_out")
     written.append(_save(fig, out_dir, "component_weights.png"))
@@ -161,15 +183,44 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
     for ax, s in zip(axes[0], dec.sites):
         ax.hist(np.asarray(ci[s]).ravel(), bins=50, range=(0, 1))
         ax.set_yscale("log")
-        ax.set_title(f"CI (lower) histogram: {s}")
+        ax.set_title(f"{s}\nCI (lower) histogram", fontsize=9)
     written.append(_save(fig, out_dir, "ci_histograms.png"))
+
+    thr = dec.cfg.eval.ci_alive_threshold
+    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
+    for ax, s in zip(axes[0], dec.sites):
+        density = activation_density(np.asarray(ci[s]), thr)
+        ax.bar(np.arange(len(density)), np.sort(density)[::-1], width=1.0)
+        ax.set_yscale("log")
+        ax.set_title(f"{s}\nactivation density (CI > {thr})", fontsize=9)
+        ax.set_xlabel("component (sorted)")
+        ax.set_ylabel("fraction of positions")
+    written.append(_save(fig, out_dir, "activation_density.png"))
     return written
 
 
+def activation_density(ci: np.ndarray, threshold: float) -> np.ndarray:
+    """Per component: the fraction of positions (every leading index) with CI > threshold."""
+    return np.mean(ci.reshape(-1, ci.shape[-1]) > threshold, axis=0)
+
+
+def _to_host(x) -> np.ndarray:
+    """A global array as numpy on every process (batch-sharded LM CI spans processes)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def _save(fig, out_dir, name):
+    import io
+
     import matplotlib.pyplot as plt
 
-    path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=90, bbox_inches="tight")
+    path = storage.join(out_dir, name)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     plt.close(fig)
+    storage.write_bytes(path, buf.getvalue())  # local dir or gs://
     return path

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import jax
 import numpy as np
+
+from ppgd_tpu import storage
 
 
 def to_host(metrics: dict) -> dict:
@@ -36,38 +39,63 @@ def window_stats(window: list[dict], prefix: str = "train/grad_norms/summary/") 
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool):
+    """RUN_DIR/metrics.jsonl, plus TensorBoard events for a local run dir.
+
+    Local files are appended line by line. A GCS object cannot be appended to, so on gs://
+    the lines are kept here and the whole (small) file is rewritten at most every `flush_s`
+    seconds and on close."""
+
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, flush_s: float = 30.0):
         self.enabled = enabled
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = storage.join(run_dir, "metrics.jsonl")
+        self.remote = storage.is_gcs(run_dir)
+        self.flush_s, self.flushed_at = flush_s, time.monotonic()
+        self.lines: list[str] = []
+        if enabled and self.remote and storage.exists(self.path):
+            self.lines = storage.read_bytes(self.path).decode().splitlines(keepends=True)
         self.tb = None
-        if enabled and tensorboard:
+        if enabled and tensorboard and not self.remote:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
 
     def truncate_after(self, step: int) -> None:
         """Drops lines with step > `step` (a resumed run rewrites what it redoes)."""
-        if not self.enabled or not os.path.exists(self.path):
+        if not self.enabled:
             return
-        with open(self.path) as fh:
-            kept = [ln for ln in fh if ln.strip() and json.loads(ln)["step"] <= step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.writelines(kept)
-        os.replace(tmp, self.path)
+        if not self.remote:
+            if os.path.exists(self.path):
+                with open(self.path) as fh:
+                    self.lines = fh.readlines()
+        self.lines = [ln for ln in self.lines if ln.strip() and json.loads(ln)["step"] <= step]
+        if self.remote or os.path.exists(self.path):
+            storage.write_bytes(self.path, "".join(self.lines).encode())
+        if not self.remote:
+            self.lines = []
 
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
-        row = {"step": int(step), **values}
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        line = json.dumps({"step": int(step), **values}) + "\n"
+        if self.remote:
+            self.lines.append(line)
+            if time.monotonic() - self.flushed_at > self.flush_s:
+                self.flush()
+        else:
+            with open(self.path, "a") as fh:
+                fh.write(line)
         if self.tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
 
+    def flush(self) -> None:
+        if self.enabled and self.remote:
+            storage.write_bytes(self.path, "".join(self.lines).encode())
+            self.flushed_at = time.monotonic()
+
     def close(self) -> None:
+        self.flush()
         if self.tb is not None:
             self.tb.close()
 

@@ -12,7 +12,10 @@ import json
 import os
 import time
 
+import yaml
+
 from ppgd_tpu import config as config_lib
+from ppgd_tpu import storage
 from ppgd_tpu.config import Config, ConfigError
 
 CONFIG = "config.yaml"
@@ -27,22 +30,27 @@ def default_run_dir(cfg: Config) -> str:
 
 
 class RunDir:
+    """A run directory on local disk or gs://bucket/path (ppgd_tpu.storage)."""
+
     def __init__(self, path: str):
-        self.path = path
+        try:
+            self.path = storage.normalize(path)
+        except ValueError as e:
+            raise ConfigError(f"--run_dir: {e}") from None
 
     def file(self, name: str) -> str:
-        return os.path.join(self.path, name)
+        return storage.join(self.path, name)
 
     @property
     def exists(self) -> bool:
-        return os.path.exists(self.file(CONFIG))
+        return storage.exists(self.file(CONFIG))
 
     @property
     def complete(self) -> bool:
-        return os.path.exists(self.file(SUMMARY))
+        return storage.exists(self.file(SUMMARY))
 
     def stored_config(self) -> Config:
-        data = config_lib.load_yaml(self.file(CONFIG))
+        data = yaml.safe_load(storage.read_bytes(self.file(CONFIG))) or {}
         return config_lib.from_dict(Config, data)
 
     def check_compatible(self, cfg: Config) -> None:
@@ -60,14 +68,11 @@ class RunDir:
                 + "\n(use a new --run_dir, or the original values)")
 
     def create(self, cfg: Config) -> None:
-        os.makedirs(self.path, exist_ok=True)
-        tmp = self.file(CONFIG + ".tmp")
-        with open(tmp, "w") as fh:
-            fh.write(config_lib.dump_yaml(cfg))
-        os.replace(tmp, self.file(CONFIG))
+        storage.write_bytes(self.file(CONFIG), config_lib.dump_yaml(cfg).encode())
+
+    def read_summary(self) -> dict:
+        return json.loads(storage.read_bytes(self.file(SUMMARY)))
 
     def write_summary(self, summary: dict) -> None:
-        tmp = self.file(SUMMARY + ".tmp")
-        with open(tmp, "w") as fh:
-            json.dump(summary, fh, indent=1, sort_keys=True)
-        os.replace(tmp, self.file(SUMMARY))
+        storage.write_bytes(self.file(SUMMARY),
+                            json.dumps(summary, indent=1, sort_keys=True).encode())

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ppgd_tpu.checkpoint import arrays as arrays_io
-from ppgd_tpu.checkpoint import audit, cli, storage
+from ppgd_tpu import storage
+from ppgd_tpu.checkpoint import audit, cli
 from ppgd_tpu.checkpoint import manifest as mf
 from ppgd_tpu.checkpoint.checkpointer import Checkpointer, restore, save
 

@@ -194,7 +194,7 @@ def test_sharded_save_restores_on_any_mesh_C4(tmp_path):
 def test_sigkill_mid_write_keeps_previous_checkpoint_C4(tmp_path):
     from ppgd_tpu.checkpoint import audit
     from ppgd_tpu.checkpoint import manifest as mf
-    from ppgd_tpu.checkpoint import storage
+    from ppgd_tpu import storage
     from ppgd_tpu.checkpoint.checkpointer import restore, save
 
     run_dir = str(tmp_path / "run")

@@ -201,3 +201,17 @@ print("OK", dist.process_index(), dist.process_count(), dist.is_main(), repr(dis
     assert "ERR2 dist.initialize() already ran with" in out.stdout
     assert "ERR3 StopSignal is already installed" in out.stdout
     assert "OK 0 1 True '' {'a': [1]} True" in out.stdout
+
+
+def test_tpu_coordinator_port_from_the_pod_script_reaches_jax(monkeypatch):
+    """launch/tpu_pod.sh exports PPGD_COORDINATOR_PORT; JAX's TPU detection reads
+    JAX_COORDINATOR_PORT."""
+    from ppgd_tpu import dist as dist_lib
+
+    monkeypatch.delenv("JAX_COORDINATOR_PORT", raising=False)
+    monkeypatch.setenv("PPGD_COORDINATOR_PORT", "8476")
+    dist_lib._export_tpu_coordinator_port()
+    assert os.environ["JAX_COORDINATOR_PORT"] == "8476"
+    monkeypatch.setenv("PPGD_COORDINATOR_PORT", "http")
+    with pytest.raises(ValueError, match="PPGD_COORDINATOR_PORT='http'"):
+        dist_lib._export_tpu_coordinator_port()

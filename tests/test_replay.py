@@ -4,7 +4,6 @@
 import dataclasses
 import warnings
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -96,3 +96,18 @@ def test_C5_sigterm_saves_the_completed_step_exits_0_and_resumes_exactly(tmp_pat
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out
     assert checkpoint.digest(str(run), steps).overall == want
+
+
+def test_C2_load_decomposition_reads_a_stopped_run_from_its_checkpoint(tmp_path):
+    from ppgd_tpu import load_decomposition
+
+    run = tmp_path / "r"
+    assert cli.run(_args(run, "every", ["--checkpoint.every=4"])) == 0
+    final = load_decomposition(str(run))
+    os.remove(run / "decomposition.safetensors")  # as if the run had stopped at step N
+    os.remove(run / "summary.json")
+    from_ckpt = load_decomposition(str(run))
+    assert set(from_ckpt) == set(final) == {"linear1", "linear2"}
+    for site in final:
+        for part in ("V", "U"):
+            assert (from_ckpt[site][part] == final[site][part]).all()

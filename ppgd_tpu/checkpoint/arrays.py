@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ppgd_tpu.checkpoint import storage
+from ppgd_tpu import storage
 
 TARGET_CHUNK_BYTES = 64 * 2**20
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]

@@ -16,7 +16,7 @@ import numpy as np
 
 from ppgd_tpu.checkpoint import arrays as arrays_io
 from ppgd_tpu.checkpoint import manifest as mf
-from ppgd_tpu.checkpoint import storage
+from ppgd_tpu import storage
 
 _BLOCK_BYTES = 64 * 2**20
 

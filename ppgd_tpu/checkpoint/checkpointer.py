@@ -24,7 +24,7 @@ from absl import logging
 
 from ppgd_tpu.checkpoint import arrays as arrays_io
 from ppgd_tpu.checkpoint import manifest as mf
-from ppgd_tpu.checkpoint import storage
+from ppgd_tpu import storage
 
 Barrier = Callable[[str], None]
 

@@ -10,7 +10,7 @@ import sys
 
 from ppgd_tpu.checkpoint import audit
 from ppgd_tpu.checkpoint import manifest as mf
-from ppgd_tpu.checkpoint import storage
+from ppgd_tpu import storage
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from absl import logging
 
-from ppgd_tpu.checkpoint import storage
+from ppgd_tpu import storage
 from ppgd_tpu.checkpoint.arrays import LeafInfo
 
 FORMAT_VERSION = 1

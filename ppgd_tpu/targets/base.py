@@ -36,17 +36,18 @@ class SiteMask(NamedTuple):
 def site_out(x, W, V, U, m: SiteMask):
     """SPEC 2: y = ((x V) * mask) U + (x Δ) * delta_mask, Δ = W - V U; routed or frozen.
 
-    x Δ is computed as x W - (x V) U: one d_in x d_out product fewer than forming Δ.
+    With x Δ = x W - (x V) U and a per-position delta mask d this is
+    ((x V) * (mask - d)) U + (x W) d: one product with U instead of two, and no d_in x d_out
+    Δ is ever formed.
     """
     inner = x @ V
-    y = (inner * m.mask) @ U
-    if m.delta is None and m.route is None:
-        return y
-    xw = x @ W
-    if m.delta is not None:
-        y = y + (xw - inner @ U) * m.delta[..., None]
+    if m.delta is None:
+        y = (inner * m.mask) @ U
+    else:
+        d = m.delta[..., None]
+        y = (inner * (m.mask - d)) @ U + (x @ W) * d
     if m.route is not None:
-        y = jnp.where(m.route[..., None], y, xw)
+        y = jnp.where(m.route[..., None], y, x @ W)
     return y
 
 

@@ -1,8 +1,9 @@
-"""Where checkpoint bytes live: a local directory or gs://bucket/path, behind one interface.
+"""Where a run's bytes live: a local directory or gs://bucket/path, behind one interface.
 
-Arrays go through tensorstore (`kvstore` gives its spec); the small things -- manifests,
-commit markers, listings, deletion -- go through fsspec (local) or gcsfs (gs://). Both honour
-the GCS emulator: tensorstore reads TENSORSTORE_GCS_HTTP_URL, gcsfs STORAGE_EMULATOR_HOST.
+Arrays go through tensorstore (`kvstore` gives its spec); the small things -- run-dir files,
+manifests, commit markers, listings, deletion -- go through fsspec (local) or gcsfs (gs://).
+Both honour the GCS emulator: tensorstore reads TENSORSTORE_GCS_HTTP_URL, gcsfs
+STORAGE_EMULATOR_HOST.
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ def normalize(path: str) -> str:
     """A canonical form of a run path: gs://bucket/p/a/t/h or an absolute local path."""
     path = os.fspath(path)
     if not path:
-        raise ValueError("checkpoint path is empty; give a local directory or gs://bucket/path")
+        raise ValueError("path is empty; give a local directory or gs://bucket/path")
     if is_gcs(path):
         bucket, _, rest = path[len(_GCS):].partition("/")
         if not bucket:
-            raise ValueError(f"checkpoint path {path!r} has no bucket; expected gs://bucket/path")
+            raise ValueError(f"path {path!r} has no bucket; expected gs://bucket/path")
         rest = posixpath.normpath("/" + rest).lstrip("/")
         return _GCS + bucket + ("/" + rest if rest else "")
     if "://" in path:
-        raise ValueError(f"checkpoint path {path!r}: only local paths and gs://bucket/path are supported")
+        raise ValueError(f"path {path!r}: only local paths and gs://bucket/path are supported")
     return os.path.abspath(path)
 
 

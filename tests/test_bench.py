@@ -1,0 +1,29 @@
+"""The bench commands run and report their numbers (their values are not asserted: timings
+live in benchmarks, not tests)."""
+
+from ppgd_tpu import cli
+
+TINY = ["--data.batch_size=64", "--decomp.steps=40", "--eval.batch_size=64"]
+
+
+def test_bench_step_reports_step_time_and_host_overhead(capsys):
+    assert cli.run(["bench", "step", *TINY, "--n_steps=5"]) == 0
+    out = capsys.readouterr().out
+    for key in ("compile_s", "step_median_ms", "device_only_step_ms", "host_overhead_share",
+                "steps_per_s", "peak_rss_mb"):
+        assert key in out
+
+
+def test_bench_ckpt_reports_blocking_commit_and_bytes(capsys, tmp_path):
+    assert cli.run(["bench", "ckpt", *TINY, "--n_saves=2", f"--run_dir={tmp_path}",
+                    "--data.train_batch_replay=4", "--data.replay_ci_update=mean",
+                    "--decomp.ci_fn.detach_inputs=true"]) == 0
+    out = capsys.readouterr().out
+    assert "loop_block_ms_median" in out and "bytes_per_checkpoint" in out
+    window = int(out.split("window_state_bytes")[1].split()[0])
+    assert window > 0  # a mid-window `mean` checkpoint carries its accumulator
+
+
+def test_bench_without_a_case_is_a_usage_error(capsys):
+    assert cli.run(["bench"]) == 2
+    assert "which benchmark" in capsys.readouterr().err
