@@ -4,6 +4,9 @@
   loop's step time (steps dispatched back to back, as the engine runs them), device-only
   step time (the same steps inside one jitted fori_loop), host overhead share
   = 1 - device_only / loop, steps/s and peak RSS.
+  With `--devices 1,4` it instead runs itself once per device count (forced CPU devices in
+  a subprocess) and compares the per-device memory of the placed train state: sharded
+  leaves shrink with the device count, replicated ones do not.
 - `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
   a subprocess, plus its peak RSS.
 - `replay`: the full step vs the repeat step (their ratio), and the per-step time of whole
@@ -34,15 +37,50 @@ def _peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
     return resource.getrusage(who).ru_maxrss / 1024.0  # Linux reports KiB
 
 
+def state_bytes_per_device(state) -> tuple[int, int]:
+    """(max over devices, total) bytes of the train state's shards as placed."""
+    per: dict = {}
+    for leaf in jax.tree.leaves(state):
+        for s in leaf.addressable_shards:
+            per[s.device] = per.get(s.device, 0) + s.data.nbytes
+    return max(per.values()), sum(per.values())
+
+
+def _devices_ab(args: list[str], counts: str) -> int:
+    """One `bench step` subprocess per device count; a table of state memory per device."""
+    rows = {}
+    own = [a for a in cli._join_values(args, ["devices"]) if not a.startswith("--devices")]
+    for n in [int(c) for c in counts.split(",")]:
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+               "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        proc = subprocess.run([sys.executable, "-m", "ppgd_tpu.cli", "bench", "step", *own],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr[-4000:])
+            return proc.returncode
+        report = dict(line.split(None, 1) for line in proc.stdout.splitlines() if line.strip())
+        rows[n] = {k: float(report[k]) for k in ("state_mb_per_device", "step_median_ms")}
+    base = min(rows)
+    for n, r in rows.items():
+        _print({"devices": n, **r, "state_shrink_vs_%d" % base:
+                rows[base]["state_mb_per_device"] / r["state_mb_per_device"]})
+    return 0
+
+
 def bench_step(args: list[str]) -> int:
     from ppgd_tpu.data.toy import batch_key
     from ppgd_tpu.engine import Trainer
 
-    cfg, extra = cli.parse_config_args(args, {"n_steps": ("200", "timed steps per measurement")})
+    cfg, extra = cli.parse_config_args(args, {
+        "n_steps": ("200", "timed steps per measurement"),
+        "devices": ("", "comma-separated device counts: compare state memory per device")})
+    if extra["devices"]:
+        return _devices_ab(args, extra["devices"])
     n = int(extra["n_steps"])
     trainer = Trainer(cfg)
     target, dec = trainer.target, trainer.dec
     state = trainer.init_state()
+    state_max, state_total = state_bytes_per_device(state)
 
     t0 = time.perf_counter()
     state, m = trainer.replay.full(state, target, trainer.batch(0))
@@ -84,6 +122,10 @@ def bench_step(args: list[str]) -> int:
     report = {
         "config": cfg.name,
         "batch_size": B,
+        "devices": jax.device_count(),
+        "mesh": "x".join(f"{a}={n}" for a, n in trainer.mesh.shape.items()),
+        "state_mb_per_device": state_max / 2**20,
+        "state_mb_total": state_total / 2**20,
         "compile_s": compile_s,
         "step_median_ms": 1e3 * float(np.median(single)),
         "step_p90_ms": 1e3 * float(np.percentile(single, 90)),

@@ -25,6 +25,7 @@ commands:
   train     decompose a target (no --config: the embedded TMS 5-2 default)
   pretrain  train a toy target, or an LM on a token store (--store); save safetensors
   bench     benchmarks: `bench step --config ...`
+  shardings print where every leaf of a run lives on the mesh (`--devices N --processes P`)
   tokenize  pack documents into a token store
   ckpt      checkpoint tools: ls | digest | verify
   launch-local  run N local processes of a ppgd-tpu command
@@ -44,6 +45,19 @@ def _split_value(args: list[str], name: str) -> str | None:
         if a.startswith(f"--{name}="):
             return a.split("=", 1)[1]
     return None
+
+
+def _join_values(args: list[str], names) -> list[str]:
+    """`--name value` -> `--name=value` for these (string) flags, as absl expects."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in {f"--{n}" for n in names} and i + 1 < len(args):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
 
 
 def _define(fv: flags.FlagValues, path: str, tp, default, help_: str) -> None:
@@ -67,6 +81,7 @@ def parse_config_args(args: list[str], extra: dict[str, tuple[str, str]] | None 
     first so its dict entries (recon terms, site patterns) get flags too.
     """
     extra = dict(extra or {})
+    args = _join_values(args, ["config", *extra])
     path = _split_value(args, "config")
     cfg = config_lib.load(path)
     fv = flags.FlagValues()
@@ -146,13 +161,48 @@ def cmd_bench(args: list[str]) -> int:
     return bench.main(args[0], args[1:])
 
 
+def cmd_shardings(args: list[str]) -> int:
+    """The placement table of a config on a mesh of N devices over P processes/slices
+    (default: this machine's), from shapes alone: no weights are loaded or trained."""
+    import jax
+
+    from ppgd_tpu import engine
+    from ppgd_tpu import mesh as mesh_lib
+    from ppgd_tpu.step import Decomposer
+    from ppgd_tpu.targets import build
+
+    cfg, extra = parse_config_args(args, {
+        "devices": ("", "global device count (default: this machine's)"),
+        "processes": ("1", "slices/processes the devices split into (DCN granules)")})
+    n_dev = int(extra["devices"]) if extra["devices"] else jax.device_count()
+    mesh = mesh_lib.abstract_mesh(cfg.mesh, n_dev, int(extra["processes"]))
+    mesh_lib.check_batches(cfg, mesh)
+    mod, sub = build.KINDS[cfg.target.kind], getattr(cfg.target, cfg.target.kind)
+    rows = []
+
+    def trace():  # under eval_shape: shapes only, nothing is computed
+        target = mod.init(sub, jax.random.key(0))
+        dec = Decomposer(cfg, target, engine.batch_shape(cfg, target))
+        batch = jax.ShapeDtypeStruct(engine.batch_shape(cfg, target), engine.batch_dtype(target))
+        named, _ = mesh_lib.run_templates(dec, target, batch)
+        placement = mesh_lib.Placement(cfg, mesh, len(dec.leading))
+        for group in named.values():
+            rows.extend(placement.rows(group))
+
+    jax.eval_shape(trace)
+    print(f"mesh {dict(mesh.shape)} over {n_dev} devices, {extra['processes']} process(es)")
+    print(mesh_lib.table(rows))
+    return 0
+
+
 # Commands implemented by other modules as `main(argv) -> int`.
 DELEGATED = {
     "tokenize": "ppgd_tpu.data.tokenize",
     "ckpt": "ppgd_tpu.checkpoint.cli",
     "launch-local": "ppgd_tpu.launch_local",
 }
-COMMANDS = {"train": cmd_train, "pretrain": cmd_pretrain, "bench": cmd_bench}
+COMMANDS = {"train": cmd_train, "pretrain": cmd_pretrain, "bench": cmd_bench,
+            "shardings": cmd_shardings}
 
 
 def run(argv: list[str]) -> int:

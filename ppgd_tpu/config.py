@@ -254,6 +254,21 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh (ppgd_tpu/mesh.py) [D1-D3]: axes `data` (batch rows) and `fsdp` (batch
+    rows AND large weights), each the product of an ICI part (devices within one slice, or
+    one process on CPU/GPU) and a DCN part (across slices / processes). -1 = the rest."""
+
+    data: int = _f(-1, "ICI data-parallel size within a slice/process (-1 = the rest)", lo=-1)
+    fsdp: int = _f(1, "ICI FSDP size within a slice/process (-1 = the rest)", lo=-1)
+    dcn_data: int = _f(-1, "DCN data-parallel size across slices/processes (-1 = the rest)",
+                       lo=-1)
+    dcn_fsdp: int = _f(1, "DCN FSDP size across slices/processes (-1 = the rest)", lo=-1)
+    fsdp_min_elements: int = _f(1 << 18, "weights (and their moments) with fewer elements "
+                                "stay replicated instead of FSDP-sharded", lo=0)
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = _f("tms_5-2", "experiment name (run dir prefix)")
     seed: int = _f(0, "run seed: every draw is fold_in(seed, global step, ...) [R1]")
@@ -264,10 +279,12 @@ class Config:
     eval: EvalConfig = _f(factory=EvalConfig, help="evaluation")
     log: LogConfig = _f(factory=LogConfig, help="logging")
     checkpoint: CheckpointConfig = _f(factory=CheckpointConfig, help="checkpoints")
+    mesh: MeshConfig = _f(factory=MeshConfig, help="device mesh")
 
 
-# Fields that may differ when resuming a run: they do not change the trajectory.
-RESUMABLE_PREFIXES = ("name", "eval.", "log.", "checkpoint.", "data.eval_seed")
+# Fields that may differ when resuming a run: they do not change the trajectory (another
+# mesh changes it only by float reassociation [C3, D3]).
+RESUMABLE_PREFIXES = ("name", "eval.", "log.", "checkpoint.", "data.eval_seed", "mesh.")
 
 
 # ---------------------------------------------------------------- building from dicts

@@ -17,6 +17,7 @@ from absl import logging
 from safetensors import numpy as safetensors_numpy
 
 from ppgd_tpu import checkpoint, dist, resume, storage
+from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu.config import Config, config_hash
@@ -31,36 +32,75 @@ from ppgd_tpu.workspace import DECOMPOSITION, FIGURES, RunDir
 MAX_IN_FLIGHT = 8  # multi-process CPU: steps dispatched ahead of the last finished one
 
 
+def batch_shape(cfg: Config, target) -> tuple[int, ...]:
+    """The training batch for `ppgd-tpu shardings` (shapes only, no store opened): [B,
+    n_features] toy inputs; [B, T] tokens with T = the target's max_seq_len (a run's T is
+    its store's row length - 1, data/lm.py)."""
+    if target.n_features is not None:
+        return (cfg.data.batch_size, target.n_features)
+    return (cfg.data.batch_size, cfg.target.llama_simple_mlp.max_seq_len)
+
+
+def batch_dtype(target):
+    return jax.numpy.float32 if target.n_features is not None else jax.numpy.int32
+
+
 class Trainer:
-    """Everything a run needs, jitted once: the step, the data, the evals."""
+    """Everything a run needs, jitted once on the run's mesh: the step, the data, the evals."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        # Site patterns are checked against the target's sites before any compute.
+        # Site patterns and the mesh are checked before any compute [D3].
         resolve_sites(cfg.decomp.sites, target_build.site_names(cfg.target))
-        self.target = target_build.build(cfg.target)
-        # Toys: batches generated from (seed, j); LMs: token-store rows [B, T] (data/lm.py).
-        self.data = data_lib.make(cfg, self.target)
+        self.mesh = mesh_lib.make_mesh(cfg.mesh)
+        mesh_lib.check_batches(cfg, self.mesh)
+        target = target_build.build(cfg.target)
+        self.placement = mesh_lib.Placement(cfg, self.mesh, len(target.leading_shape((1, 1))))
+        # Toys: batches drawn from (seed, j); LMs: token-store rows [B, T] (data/lm.py). Both
+        # land row-sharded on the mesh, each process producing only its own rows.
+        self.data = data_lib.make(cfg, target, lambda shape: self.placement.sharding("batch",
+                                                                                     shape))
         self.batch = self.data.batch
         self.eval_batch, self.eval_labels = self.data.eval_batch, self.data.eval_labels
-        self.dec = Decomposer(cfg, self.target, self.data.batch_shape)
-        self.replay = ReplayController(self.dec)
+        self.dec = Decomposer(cfg, target, self.data.batch_shape)
+        spec = jax.ShapeDtypeStruct(self.data.batch_shape, self.eval_batch.dtype)
+        self.shardings = mesh_lib.step_shardings(self.placement, self.dec, target, spec)
+        self.target = mesh_lib.place(target, self.shardings.target)
+        self.replay = ReplayController(self.dec, self.shardings)
+        rep = self.placement.replicated
         self.fast_eval = jax.jit(
-            lambda st, t, x, y: eval_lib.fast_metrics(self.dec, st, t, x, y))
-        self.one_hot = jax.jit(lambda st, t: eval_lib.one_hot_ci(self.dec, st, t))
+            lambda st, t, x, y: eval_lib.fast_metrics(self.dec, st, t, x, y), out_shardings=rep)
+        self.one_hot = jax.jit(lambda st, t: eval_lib.one_hot_ci(self.dec, st, t),
+                               out_shardings=rep)
+        self._gather = jax.jit(lambda tree: tree, out_shardings=rep)
 
     def init_state(self) -> TrainState:
-        state = jax.jit(self.dec.init)(self.target)
+        """[R1] placed init: the state is created sharded, equal to an unplaced init."""
+        st = self.shardings.state
+        state = jax.jit(self.dec.init, in_shardings=(self.shardings.target,),
+                        out_shardings=st)(self.target)
         if self.cfg.decomp.faithfulness_warmup_steps > 0:
-            state = jax.jit(self.dec.faithfulness_warmup)(state, self.target)
+            state = jax.jit(self.dec.faithfulness_warmup, donate_argnums=0,
+                            out_shardings=st)(state, self.target)
         return state
+
+    def to_host(self, tree):
+        """Numpy copy of a (possibly cross-process sharded) tree, in every process."""
+        return jax.device_get(self._gather(tree))
+
+    def restore(self, run_dir: str, step: int):
+        """Checkpoint leaves placed on THIS run's mesh, whatever mesh wrote them [C4]."""
+        infos = checkpoint.manifest.read_manifest(
+            checkpoint.manifest.step_dir(run_dir, step)).leaves
+        return checkpoint.restore(run_dir, step, shardings=self.placement.names(infos))
 
     def evaluate(self, state: TrainState) -> dict:
         fast, alive = self.fast_eval(state, self.target, self.eval_batch, self.eval_labels)
         onehot = self.one_hot(state, self.target) if self.target.n_features else None
         fast, alive, onehot = jax.device_get((fast, alive, onehot))
         out = metrics_lib.to_host(fast)
-        out.update(eval_lib.host_metrics(self.dec, jax.device_get(state), self.target, onehot,
+        out.update(eval_lib.host_metrics(self.dec, self.to_host(state), self.to_host(self.target),
+                                         onehot,
                                          {s: np.asarray(a) for s, a in alive.items()}))
         return out
 
@@ -97,7 +137,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                   "Re-run the same command to start over.")
             return {}
     else:  # [C3] resume: no warmup; the window continues on batch start // k [W6]
-        restored = checkpoint.restore(rd.path, start)
+        restored = trainer.restore(rd.path, start)
         state = resume.restore_state(trainer.dec, trainer.target, restored.arrays)
         if start % k:
             resume.restore_window(replay, trainer.dec, state, trainer.target,
@@ -158,13 +198,14 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
 def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState) -> dict:
     """Final eval, decomposition file, figures, then summary.json LAST (WORKSPACE.md)."""
     summary = trainer.evaluate(state)
+    # collectives: every process fetches, since the arrays may span processes
+    state, target, eval_batch = trainer.to_host((state, trainer.target, trainer.eval_batch))
     if dist.is_main():
         writer = metrics_lib.MetricsWriter(rd.path, enabled=True, tensorboard=False)
         writer.write(cfg.decomp.steps, summary)
         save_decomposition(rd.file(DECOMPOSITION), state, trainer.dec.sites)
         if cfg.eval.figures:
-            eval_lib.figures(trainer.dec, state, trainer.target, trainer.eval_batch,
-                             rd.file(FIGURES))
+            eval_lib.figures(trainer.dec, state, target, eval_batch, rd.file(FIGURES))
         summary = {"step": cfg.decomp.steps, **summary}
         rd.write_summary(summary)
         print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))

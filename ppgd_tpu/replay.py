@@ -11,28 +11,49 @@ Step s trains on data batch s // k; window position t = s mod k [W1]. Per mode [
 | mean  | compute_ci, then accumulate        | accumulate  | accumulate + one CI update |
 
 Every variant donates the train state; repeat variants receive (model, envelope) as their
-first argument and spare it [W5]. A loop that starts mid-window rebuilds the envelope from
+first argument and spare it [W5]. With `Shardings` every variant is jitted with explicit
+in/out shardings on the run's mesh (ppgd_tpu/mesh.py), so the math stays global-batch math
+and XLA inserts the collectives [D1, D2]. A loop that starts mid-window rebuilds the envelope from
 the current CI fn (`start_window`); checkpoints make that rebuild exact [W6].
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import jax
 
 from ppgd_tpu.step import Decomposer, Envelope, TrainState, zero_accumulator
 
 
+class Shardings(NamedTuple):
+    """Trees of NamedShardings for the step inputs/outputs; `scalar` covers the metrics."""
+
+    state: Any
+    target: Any
+    batch: Any
+    env: Any  # also the fp32 accumulator's (same shapes)
+    scalar: Any
+
+
 class ReplayController:
-    def __init__(self, dec: Decomposer):
+    def __init__(self, dec: Decomposer, shardings: Shardings | None = None):
         self.mode = dec.cfg.data.replay_ci_update
         self.k = dec.cfg.data.train_batch_replay
-        self.full = jax.jit(dec.full, donate_argnums=0)
-        self.full_keep = jax.jit(dec.full_keep, donate_argnums=0)
-        self.compute_ci = jax.jit(dec.compute_ci)
-        self.repeat = jax.jit(dec.repeat, donate_argnums=1)
-        self.mean_accum = jax.jit(dec.mean_accum, donate_argnums=(1, 2))
+
+        def jit(fn, donate, ins=None, outs=None):
+            if shardings is None:
+                return jax.jit(fn, donate_argnums=donate)
+            return jax.jit(fn, donate_argnums=donate, in_shardings=ins, out_shardings=outs)
+
+        st, tg, b, env, sc = shardings or (None,) * 5
+        self.full = jit(dec.full, 0, (st, tg, b), (st, sc))
+        self.full_keep = jit(dec.full_keep, 0, (st, tg, b), (st, env, sc))
+        self.compute_ci = jit(dec.compute_ci, (), (tg, st, b), env)
+        self.repeat = jit(dec.repeat, 1, ((tg, env), st, b), (st, sc))
+        self.mean_accum = jit(dec.mean_accum, (1, 2), ((tg, env), st, env, b), (st, env, sc))
         # acc is not donated here: no output has its shape, so XLA could not reuse it.
-        self.mean_update = jax.jit(dec.mean_update, donate_argnums=1)
+        self.mean_update = jit(dec.mean_update, 1, ((tg, env), st, env, b), (st, sc))
         self.env: Envelope | None = None
         self.acc: Envelope | None = None
 

@@ -52,11 +52,17 @@ def _stores_envelope(replay: ReplayController, state) -> bool:
         replay.mode != "every" and getattr(state.ci_fn, "uses_components", False))
 
 
-def checkpoint_leaves(state: TrainState, replay: ReplayController) -> dict[str, jax.Array]:
-    """Every leaf a checkpoint at this point of the loop must hold [C1, W6]."""
+def state_leaves(state: TrainState) -> dict[str, jax.Array]:
+    """{checkpoint name: leaf} of the train state, in the state's flatten order."""
     out = {}
     for field in ("step", "components", "ci_fn", "opt_components", "opt_ci_fn", "adversaries"):
         out.update(named_leaves(getattr(state, field), _state_prefix(field)))
+    return out
+
+
+def checkpoint_leaves(state: TrainState, replay: ReplayController) -> dict[str, jax.Array]:
+    """Every leaf a checkpoint at this point of the loop must hold [C1, W6]."""
+    out = state_leaves(state)
     if int(state.step) % replay.k == 0:  # a window boundary: nothing of the window survives
         return out
     if _stores_envelope(replay, state):

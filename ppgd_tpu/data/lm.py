@@ -6,9 +6,10 @@ fixed `eval_batch`; an LM also offers `eval_labels` (the next tokens, for the CE
 LM rows: a store row of `seq_len` tokens gives the inputs `row[:-1]` ([B, T], T = seq_len
 - 1, as in LM pretraining) and the labels `row[1:]`. Training batch j is the global batch
 j of a BatchSchedule keyed by (seed, j) over the rows after the held-out `data.eval_rows`;
-each process reads only its contiguous slice of it [D1, D3] and the global jax.Array is
-assembled from the process-local rows. The eval batch is batch 0 of a separate schedule
-(seed `data.eval_seed`) over the held-out rows (all rows when eval_rows = 0).
+each process reads only the rows its own devices hold under the run's row sharding
+(`mesh.global_batch`) [D1, D3], so the batch is the same on any mesh. The eval batch is
+batch 0 of a separate schedule (seed `data.eval_seed`) over the held-out rows (all rows
+when eval_rows = 0).
 
 Every check runs here, before any compute: a missing or incomplete store, ids past the
 target's vocabulary, rows past its max_seq_len, a batch that does not divide over the
@@ -17,11 +18,13 @@ processes, too few rows; each is a ConfigError naming the field.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from typing import Callable
 
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu.config import Config, ConfigError
 from ppgd_tpu.data.schedule import BatchSchedule, train_eval_schedules
 from ppgd_tpu.data.tokens import IncompleteStoreError, TokenStore
@@ -35,10 +38,19 @@ def is_lm(cfg: Config) -> bool:
     return cfg.target.kind in LM_KINDS
 
 
-class LMData:
-    """Rows of a token store as [B, T] int32 token batches."""
+RowSharding = Callable[[tuple[int, ...]], Sharding]  # batch shape -> its row sharding
 
-    def __init__(self, cfg: Config):
+
+def all_devices_rows(shape: tuple[int, ...]) -> Sharding:
+    """Rows over every device in order (for use without a run's mesh)."""
+    return NamedSharding(Mesh(np.asarray(jax.devices()), ("data",)), PartitionSpec("data"))
+
+
+class LMData:
+    """Rows of a token store as [B, T] int32 token batches on the row sharding `rows`."""
+
+    def __init__(self, cfg: Config, rows: RowSharding | None = None):
+        self.rows = rows or all_devices_rows
         d = cfg.data
         if not d.store:
             raise ConfigError(
@@ -72,31 +84,26 @@ class LMData:
             eval_seed=d.eval_seed, eval_rows=d.eval_rows)
         self.seq_len = self.store.seq_len - 1
         self.batch_shape = (B, self.seq_len)
-        rows = self.local_rows(held_out, 0)
-        self.eval_batch = self.to_global(rows[:, :-1], B_eval)
-        self.eval_labels = self.to_global(rows[:, 1:], B_eval)
+        self.eval_batch = self._global(held_out, 0, inputs=True)
+        self.eval_labels = self._global(held_out, 0, inputs=False)
 
-    def local_rows(self, schedule: BatchSchedule, j: int) -> np.ndarray:
-        """This process's contiguous slice of global batch j of `schedule` [D1, D3]."""
-        ids = schedule.process_rows(j, jax.process_index(), jax.process_count())
-        return self.store.read_rows(ids).astype(np.int32)
+    def _global(self, schedule: BatchSchedule, j: int, inputs: bool) -> jax.Array:
+        """Global batch j of `schedule` (inputs row[:-1] or labels row[1:]); each process
+        reads only the store rows its own devices hold [D1, D3]."""
+        ids = schedule.rows(j)
+        shape = (len(ids), self.seq_len)
 
-    @staticmethod
-    def to_global(local: np.ndarray, global_batch: int) -> jax.Array:
-        """The global [global_batch, ...] jax.Array whose rows this process holds `local`
-        of, sharded over all devices along the batch; a plain array for one process."""
-        if jax.process_count() == 1:
-            return jnp.asarray(local)
-        mesh = Mesh(np.asarray(jax.devices()), ("data",))
-        sharding = NamedSharding(mesh, PartitionSpec("data"))
-        return jax.make_array_from_process_local_data(sharding, local,
-                                                      (global_batch, *local.shape[1:]))
+        def fetch(start: int, stop: int) -> np.ndarray:
+            rows = self.store.read_rows(ids[start:stop]).astype(np.int32)
+            return rows[:, :-1] if inputs else rows[:, 1:]
+
+        return mesh_lib.global_batch(fetch, shape, self.rows(shape))
 
     def batch(self, j: int) -> jax.Array:
         """Training inputs of data batch j: [B, T] int32 (row[:-1])."""
-        return self.to_global(self.local_rows(self.train, j)[:, :-1], self.train.global_batch)
+        return self._global(self.train, j, inputs=True)
 
 
-def make(cfg: Config, target):
-    """The data of a run (validated before any compute)."""
-    return LMData(cfg) if is_lm(cfg) else ToyData(cfg, target)
+def make(cfg: Config, target, rows: RowSharding | None = None):
+    """The data of a run (validated before any compute), its batches on `rows`."""
+    return LMData(cfg, rows) if is_lm(cfg) else ToyData(cfg, target, rows)

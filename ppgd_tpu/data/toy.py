@@ -32,7 +32,10 @@ class ToyData:
 
     LM_KINDS = ("llama_simple_mlp",)  # the targets that read a token store instead
 
-    def __init__(self, cfg: Config, target):
+    def __init__(self, cfg: Config, target, rows=None):
+        """`rows(shape)`: the row sharding batches are drawn onto (None: default device).
+        Drawn inside a jit sharded by rows, each process computes only its own rows, and
+        partitionable threefry makes them the rows of the unsharded draw [R1, D3]."""
         if cfg.data.store:
             raise ConfigError(
                 f"data.store: {cfg.data.store!r} is set, but target.kind {cfg.target.kind!r} "
@@ -40,7 +43,10 @@ class ToyData:
                 f"({', '.join(self.LM_KINDS)}); drop --data.store")
         B = cfg.data.batch_size
         self.batch_shape = (B, target.n_features)
-        self.batch = jax.jit(lambda j: target.sample(batch_key(cfg.seed, j), B))
-        self.eval_batch = target.sample(
-            jax.random.fold_in(batch_key(cfg.seed, 0), EVAL_TAG), cfg.eval.batch_size)
+        B_eval, n = cfg.eval.batch_size, target.n_features
+        on = (lambda shape: {}) if rows is None else (lambda shape: {"out_shardings": rows(shape)})
+        sample = target.sample  # toy samplers read shapes only: no weights in the HLO
+        self.batch = jax.jit(lambda j: sample(batch_key(cfg.seed, j), B), **on((B, n)))
+        self.eval_batch = jax.jit(lambda: sample(
+            jax.random.fold_in(batch_key(cfg.seed, 0), EVAL_TAG), B_eval), **on((B_eval, n)))()
         self.eval_labels = None

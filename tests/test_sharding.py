@@ -1,0 +1,179 @@
+"""The sharding contract with real devices and real processes [D1-D3, C4, R1].
+
+Every multi-device case runs in a subprocess whose device count is set by its environment
+(XLA_FLAGS=--xla_force_host_platform_device_count=N, or `ppgd-tpu launch-local` for
+2 processes x 2 devices), never by the import order of this pytest process.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ppgd_tpu import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+TOL = 1e-5  # [D3] float reassociation only
+CONFIG = f"""
+name: d3_toy
+seed: 3
+target:  # 8 features x 4 hidden: every V/U dim divides over fsdp = 2
+  tms: {{n_features: 8, n_hidden: 4, train_steps: 300, train_batch: 256, check_tol: 1.0}}
+data: {{batch_size: 32, train_batch_replay: 4}}
+decomp: {{steps: {STEPS}, faithfulness_warmup_steps: 2, ci_fn: {{detach_inputs: true}}}}
+loss:
+  persistent_pgd:
+    sc: {{scope: sc, n_warmup: 1}}
+    bsc: {{scope: bsc, coeff: 0.5}}
+eval: {{batch_size: 64, every: 0, figures: false, pgd_steps: 2}}
+log: {{every: 1, progress: false, tensorboard: false}}
+mesh: {{fsdp_min_elements: 0}}  # V/U and their moments FSDP-sharded wherever fsdp > 1
+"""
+# 1 device; 4 devices as data 2 x fsdp 2; 2 processes x 2 devices as the hybrid mesh
+# DCN data 2 x ICI fsdp 2 (FSDP inside a process, data across processes).
+MESH = {"1": [], "4": ["--mesh.data=2", "--mesh.fsdp=2"], "2x2": ["--mesh.data=1",
+                                                                  "--mesh.fsdp=2"]}
+LAYOUTS = ("1", "4", "2x2")
+_COMPILE_CACHE = {}  # one persistent XLA cache for this module's subprocesses (not ~/.cache)
+
+
+def _env(devices: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **_COMPILE_CACHE}
+    env.pop("XLA_FLAGS", None)
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def _run(args: list[str], devices: int = 1, expect: int = 0) -> str:
+    p = subprocess.run([sys.executable, "-m", "ppgd_tpu.cli", *args], env=_env(devices),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert p.returncode == expect, p.stdout[-6000:]
+    return p.stdout
+
+
+def _train(layout: str, run_dir, config, extra=()):
+    args = ["train", f"--config={config}", f"--run_dir={run_dir}", *MESH[layout], *extra]
+    if layout == "2x2":
+        return _run(["launch-local", "--processes", "2", "--devices_per_process", "2", "--",
+                     *args])
+    return _run(args, devices=int(layout))
+
+
+def _metrics(run_dir) -> list[dict]:
+    rows = [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
+    return [{k: v for k, v in r.items() if isinstance(v, float) and "/perf/" not in k}
+            for r in rows]
+
+
+def _leaves(run_dir, step=STEPS) -> dict:
+    return checkpoint.restore(str(run_dir), step).arrays  # host numpy, any writer mesh
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(a), initial=0.0), 1e-12))
+
+
+def _assert_same(want_dir, got_dir, what: str, from_step: int = 0):
+    want, got = _metrics(want_dir), _metrics(got_dir)
+    assert [r.keys() for r in want] == [r.keys() for r in got], what
+    for i, (a, b) in enumerate(zip(want, got)):
+        for k in a:
+            if i >= from_step:
+                assert _rel(a[k], b[k]) <= TOL, f"{what}: metric {k} row {i}: {a[k]} vs {b[k]}"
+    wl, gl = _leaves(want_dir), _leaves(got_dir)
+    assert sorted(wl) == sorted(gl), what
+    worst = max((_rel(wl[n], gl[n]), n) for n in wl)
+    assert worst[0] <= TOL, f"{what}: final leaf {worst[1]} differs (rel {worst[0]:.2e})"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{(mode, layout): run dir}: the same config on 1 device, 4 devices, 2 x 2 processes."""
+    root = tmp_path_factory.mktemp("d3")
+    _COMPILE_CACHE["JAX_COMPILATION_CACHE_DIR"] = str(root / "xla_cache")
+    config = root / "d3.yaml"
+    config.write_text(CONFIG)
+    out = {"config": config}
+    for mode in ("every", "first"):
+        for layout in LAYOUTS:
+            d = root / f"{mode}-{layout}"
+            extra = [f"--data.replay_ci_update={mode}"]
+            if (mode, layout) == ("first", "2x2"):  # every step kept: the restore cases
+                extra += ["--checkpoint.every=1", f"--checkpoint.keep_last_n={STEPS + 1}"]
+            out[mode, layout] = d
+            out["log", mode, layout] = _train(layout, d, config, extra)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["every", "first"])
+def test_D3_same_trajectory_on_1_device_4_devices_and_2_processes(runs, mode):
+    """sc and bsc adversaries, replay k = 4: metrics and final state agree to 1e-5."""
+    assert "mesh {'data': 2, 'fsdp': 2} over 4 devices: ICI {'data': 1, 'fsdp': 2} x DCN " \
+        "{'data': 2, 'fsdp': 1} (2 granule(s))" in runs["log", mode, "2x2"]
+    for layout in ("4", "2x2"):
+        _assert_same(runs[mode, "1"], runs[mode, layout], f"{mode}: 1 device vs {layout}")
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_C4_a_checkpoint_written_by_2x2_resumes_on_another_mesh(runs, tmp_path, devices):
+    """FSDP-sharded leaves written by 2 processes, read back mid-window (t = 2 of k = 4;
+    `first` stores the envelope) onto 1 device and onto a 4-device data-only mesh, continue
+    the straight trajectory [C3, C4, W6]."""
+    straight = runs["first", "2x2"]
+    run = tmp_path / "resumed"
+    shutil.copytree(straight, run)
+    os.remove(run / "summary.json")
+    for d in os.listdir(run / "ckpts"):
+        if int(d) > 6:
+            shutil.rmtree(run / "ckpts" / d)
+    assert "training/replay/envelope/lower/linear1" in _leaves(run, 6)
+    # the resumed run keeps this layout's default mesh (data = devices): another mesh shape
+    # than the writer's data 2 x fsdp 2, which resume allows [C3]
+    args = ["train", f"--config={runs['config']}", f"--run_dir={run}",
+            "--data.replay_ci_update=first"]
+    out = _run(args, devices=devices)
+    assert "resumed from the checkpoint at step 6" in out
+    _assert_same(straight, run, f"2x2 -> {devices} devices", from_step=6)
+
+
+def test_R1_D1_D2_placed_init_batches_imp_min_and_source_gradients_on_4_devices(runs):
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_worker.py"),
+                        str(runs["config"])], env=_env(4), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=600)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert p.returncode == 0 and line, p.stdout[-6000:]
+    r = json.loads(line[len("RESULT "):])
+    assert r["mesh"] == {"data": 4, "fsdp": 1}
+    # [R1] init placed on the mesh == the one-device init (bitwise vs jit, 1 ulp vs eager)
+    assert r["init_equal_jit"] and r["init_eager_rel"] < 1e-6
+    shards = r["init_shards"]
+    assert shards["training/adversaries/bsc/sources/linear1"] == 4  # bsc: with the rows
+    assert shards["training/adversaries/sc/sources/linear1"] == 1   # sc: replicated [D1]
+    # each device drew only its rows, and they are the rows of the whole draw
+    assert r["batch_shards"] == 4 and r["batch_equal"]
+    assert r["global_batch_equal"]
+    assert r["global_batch_reads"] == [[0, 8], [8, 16], [16, 24], [24, 32]]
+    # [D2] global sums inside the log2: exact, while a mean of per-shard values is not
+    assert r["imp_rel"] <= TOL and r["imp_per_shard_mean_rel"] > 1e-2
+    assert r["imp_grad_rel"] <= TOL and r["imp_grad_shards"] == 4
+    # [D1] shared-source gradient = the AVERAGE of per-shard gradients (the sum is 4x)
+    assert r["src_grad_max_abs"] > 0
+    assert r["src_grad_vs_avg_rel"] <= TOL and r["src_grad_vs_sum_rel"] > 0.5
+    assert r["src_grad_shards"] == 1
+
+
+def test_D3_a_batch_that_does_not_divide_is_refused_before_compute(runs, tmp_path):
+    run = tmp_path / "never"
+    out = _run(["train", f"--config={runs['config']}", f"--run_dir={run}",
+                "--data.batch_size=30"], devices=4, expect=2)
+    assert "data.batch_size: 30 rows do not divide over the 4 batch shards" in out
+    assert not run.exists()
