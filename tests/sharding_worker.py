@@ -7,7 +7,6 @@ import json
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ppgd_tpu import config as config_lib

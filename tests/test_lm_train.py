@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from ppgd_tpu import cli
-from ppgd_tpu.config import ConfigError, load
+from ppgd_tpu.config import load
 from ppgd_tpu.data import lm as data_lib
-from ppgd_tpu.data import tokenize
 from ppgd_tpu.data.schedule import train_eval_schedules
 from ppgd_tpu.data.tokens import TokenStore
 from ppgd_tpu.decomp import ci_transformer
