@@ -108,7 +108,7 @@ class Decomposer:
         taps = target.read_activations(batch, ci_fn.input_names)
         return ci_lib.ci_from_logits(ci_fn(taps, components))
 
-    def recon(self, target: Target, batch, components, masks: dict[str, SiteMask], clean):
+    def recon(self, target: Target, batch, components, masks: dict[str, SiteMask | MaskThunk], clean):
         """One masked forward in compute dtype against the clean output; fp32 divergence."""
         return target.divergence(target.masked_forward(batch, components, masks), clean)
 
