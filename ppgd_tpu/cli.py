@@ -235,6 +235,9 @@ def run(argv: list[str]) -> int:
 
 
 def main() -> None:
+    from ppgd_tpu import cpu_runtime
+
+    cpu_runtime.configure()
     logging.set_verbosity(logging.INFO)
     logging.use_absl_handler()
     sys.exit(run(sys.argv[1:]))

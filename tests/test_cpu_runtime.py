@@ -1,0 +1,29 @@
+"""The entry point's XLA:CPU settings (ppgd_tpu/cpu_runtime.py): added, never overriding."""
+
+import os
+import subprocess
+import sys
+
+from ppgd_tpu import cpu_runtime
+
+
+def test_xla_cpu_flags_are_appended_and_user_flags_win():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    cpu_runtime.add_xla_cpu_flags(env)
+    assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=4",
+                                        *cpu_runtime.XLA_CPU_FLAGS]
+    mine = {"XLA_FLAGS": f"{cpu_runtime.YNN_FLAG}=+reduce"}
+    cpu_runtime.add_xla_cpu_flags(mine)
+    assert mine["XLA_FLAGS"] == f"{cpu_runtime.YNN_FLAG}=+reduce"
+    empty = {}
+    cpu_runtime.add_xla_cpu_flags(empty)
+    assert empty["XLA_FLAGS"] == " ".join(cpu_runtime.XLA_CPU_FLAGS)
+
+
+def test_malloc_thresholds_are_set_unless_the_user_set_malloc_variables():
+    code = "from ppgd_tpu import cpu_runtime; print(cpu_runtime.keep_step_buffers())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True,
+                                   text=True, check=True).stdout.strip()
+    assert run(env) == "True"  # glibc (this machine, TPU VMs)
+    assert run({**env, "MALLOC_ARENA_MAX": "2"}) == "False"
