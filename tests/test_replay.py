@@ -95,8 +95,10 @@ def test_W2_last_follows_first_on_components_and_sources_and_its_update_is_a_pla
     # up to the last step of the window, where `last` trains the CI fn
     for t in range(1, K):
         _assert_same(last_states[t].components, first_states[t].components, rtol=1e-6, atol=1e-9)
+        # two programs (compute_ci vs the step's own CI forward) fuse the CI fn differently:
+        # ulp-level envelope differences, which Adam's normalisation lifts to ~1e-8 absolute
         _assert_same(last_states[t].adversaries, first_states[t].adversaries, rtol=1e-6,
-                     atol=1e-9)
+                     atol=1e-7)
     # its CI update equals a plain step's at the same pre-step state
     plain, _ = dec.full(last_states[K - 1], target, target.sample(jax.random.key(0), 64))
     _assert_same(last_end.ci_fn, plain.ci_fn, rtol=1e-6, atol=1e-9)
