@@ -26,6 +26,7 @@ import numpy as np
 
 from ppgd_tpu.config import CIFnConfig, ConfigError
 from ppgd_tpu.targets.llama_simple_mlp import apply_rope, attention, rms_norm, rope_tables
+from ppgd_tpu.targets.lowrank import dense
 
 ROPE_BASE = 10000.0
 
@@ -65,11 +66,11 @@ class ChunkwiseTransformer(eqx.Module):
         return tuple(dict.fromkeys(t for taps in self.chunk_taps for t in taps))
 
     def __call__(self, taps, components):
-        first = taps[self.chunk_taps[0][0]]
+        first = dense(taps[self.chunk_taps[0][0]])
         if first.ndim != 3:
             raise ValueError(f"the chunkwise transformer needs sequence taps [B, T, d]; tap "
                              f"{self.chunk_taps[0][0]!r} has shape {first.shape}")
-        x = jnp.stack([rms_norm(jnp.concatenate([taps[t] for t in names], axis=-1))
+        x = jnp.stack([rms_norm(jnp.concatenate([dense(taps[t]) for t in names], axis=-1))
                        for names in self.chunk_taps])  # [K, B, T, D_in]
         out = jax.vmap(self._chunk)(self.params, x)  # per position j: [K, B, T, C_j]
         return {s: out[j][k] for k, sites in enumerate(self.chunks) for j, s in enumerate(sites)}

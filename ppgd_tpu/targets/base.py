@@ -17,9 +17,9 @@ from typing import Callable, NamedTuple
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 
 from ppgd_tpu.decomp.divergence import mse
+from ppgd_tpu.targets.lowrank import dense, lift, select_rows
 
 SiteFn = Callable[[str, jax.Array, jax.Array], jax.Array]
 
@@ -41,16 +41,16 @@ def site_out(x, W, V, U, m: SiteMask):
 
     With x Δ = x W - (x V) U and a per-position delta mask d this is
     ((x V) * (mask - d)) U + (x W) d: one product with U instead of two, and no d_in x d_out
-    Δ is ever formed.
+    Δ is ever formed. A factored x (targets/lowrank.py) gives a factored y.
     """
-    inner = x @ V
+    inner = dense(x @ V)
     if m.delta is None:
-        y = (inner * m.mask) @ U
+        y = lift(inner * m.mask, x) @ U
     else:
         d = m.delta[..., None]
-        y = (inner * (m.mask - d)) @ U + (x @ W) * d
+        y = lift(inner * (m.mask - d), x) @ U + (x @ W) * d
     if m.route is not None:
-        y = jnp.where(m.route[..., None], y, x @ W)
+        y = select_rows(m.route[..., None], y, x @ W)
     return y
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from ppgd_tpu.config import ResidMLPConfig
 from ppgd_tpu.data.toy import sparse_features
 from ppgd_tpu.targets.base import Target
+from ppgd_tpu.targets.lowrank import LowRank, dense
 
 
 class ResidMLP(Target):
@@ -30,11 +31,14 @@ class ResidMLP(Target):
         return sites
 
     def forward(self, inputs, site_fn):
-        r = inputs @ self.W_E
+        """The residual stream stays factored (targets/lowrank.py): it is x @ W_E plus MLP
+        outputs of rank <= d_mlp (or C), so no [B, d_embed] activation is ever formed; a
+        site sees a LowRank input and `site_fn` keeps its output lazy."""
+        r = LowRank.of(inputs) @ self.W_E
         for i, (w_in, w_out) in enumerate(zip(self.W_in, self.W_out)):
-            h = jax.nn.relu(site_fn(f"layers.{i}.mlp_in", r, w_in))
-            r = r + site_fn(f"layers.{i}.mlp_out", h, w_out)
-        return r @ self.W_E.T
+            h = jax.nn.relu(dense(site_fn(f"layers.{i}.mlp_in", r, w_in)))
+            r = r + site_fn(f"layers.{i}.mlp_out", LowRank.of(h), w_out)
+        return dense(r @ self.W_E.T)
 
     @property
     def n_features(self):
