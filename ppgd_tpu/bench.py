@@ -6,7 +6,8 @@
   = 1 - device_only / loop, steps/s and peak RSS.
   With `--devices 1,4` it instead runs itself once per device count (forced CPU devices in
   a subprocess) and compares the per-device memory of the placed train state: sharded
-  leaves shrink with the device count, replicated ones do not.
+  leaves shrink with the device count, replicated ones do not. `--timing=false` reports
+  the state memory alone (no step is compiled or timed).
 - `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
   a subprocess, plus its peak RSS.
 - `replay`: the full step vs the repeat step (their ratio), and the per-step time of whole
@@ -59,7 +60,8 @@ def _devices_ab(args: list[str], counts: str) -> int:
             sys.stderr.write(proc.stderr[-4000:])
             return proc.returncode
         report = dict(line.split(None, 1) for line in proc.stdout.splitlines() if line.strip())
-        rows[n] = {k: float(report[k]) for k in ("state_mb_per_device", "step_median_ms")}
+        rows[n] = {k: float(report[k]) for k in ("state_mb_per_device", "step_median_ms")
+                   if k in report}
     base = min(rows)
     for n, r in rows.items():
         _print({"devices": n, **r, "state_shrink_vs_%d" % base:
@@ -73,7 +75,10 @@ def bench_step(args: list[str]) -> int:
 
     cfg, extra = cli.parse_config_args(args, {
         "n_steps": ("200", "timed steps per measurement"),
-        "devices": ("", "comma-separated device counts: compare state memory per device")})
+        "devices": ("", "comma-separated device counts: compare state memory per device"),
+        "timing": ("true", "time the steps (false: the placed state's memory only)")})
+    if extra["timing"] not in ("true", "false"):
+        raise cli.UsageError(f"bench step: --timing={extra['timing']!r}; use true or false")
     if extra["devices"]:
         return _devices_ab(args, extra["devices"])
     n = int(extra["n_steps"])
@@ -81,6 +86,13 @@ def bench_step(args: list[str]) -> int:
     target, dec = trainer.target, trainer.dec
     state = trainer.init_state()
     state_max, state_total = state_bytes_per_device(state)
+    memory = {"config": cfg.name, "batch_size": cfg.data.batch_size,
+              "devices": jax.device_count(),
+              "mesh": "x".join(f"{a}={n}" for a, n in trainer.mesh.shape.items()),
+              "state_mb_per_device": state_max / 2**20, "state_mb_total": state_total / 2**20}
+    if extra["timing"] == "false":
+        _print(memory)
+        return 0
 
     t0 = time.perf_counter()
     state, m = trainer.replay.full(state, target, trainer.batch(0))
@@ -113,19 +125,16 @@ def bench_step(args: list[str]) -> int:
             return dec.full(s, tg, x)[0]
         return jax.lax.fori_loop(0, n, body, st)
 
-    run_loop = jax.jit(device_loop, donate_argnums=0)
+    # the state keeps its placement (the steps after this loop require it)
+    run_loop = jax.jit(device_loop, donate_argnums=0,
+                       out_shardings=jax.tree.map(lambda x: x.sharding, state))
     state = jax.block_until_ready(run_loop(state, target, fixed))  # compile
     t = time.perf_counter()
     state = jax.block_until_ready(run_loop(state, target, fixed))
     device_s = (time.perf_counter() - t) / n
 
     report = {
-        "config": cfg.name,
-        "batch_size": B,
-        "devices": jax.device_count(),
-        "mesh": "x".join(f"{a}={n}" for a, n in trainer.mesh.shape.items()),
-        "state_mb_per_device": state_max / 2**20,
-        "state_mb_total": state_total / 2**20,
+        **memory,
         "compile_s": compile_s,
         "step_median_ms": 1e3 * float(np.median(single)),
         "step_p90_ms": 1e3 * float(np.percentile(single, 90)),

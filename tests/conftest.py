@@ -1,8 +1,65 @@
 import os
 
+import numpy as np
 import pytest
 
 from gcs_emulator import GcsEmulator
+
+# The tiny LM of the LM tests: the config of its pretraining and of a 20-step decomposition.
+TINY_YAML = """
+name: tiny_lm
+seed: 3
+target:
+  kind: llama_simple_mlp
+  llama_simple_mlp:
+    d_model: 32
+    n_layers: 2
+    n_heads: 2
+    n_kv_heads: 1
+    d_mlp: 64
+    max_seq_len: 32
+    pretrain: {steps: 30, batch_size: 16, lr: 0.01, warmup_steps: 5, eval_rows: 32,
+               eval_batches: 1, eval_every: 30, log_every: 10}
+decomp:
+  sites: {"h.*.mlp.c_fc": 16, "h.*.mlp.down_proj": 16}
+  ci_fn: {kind: chunkwise_transformer, d_model: 16, n_blocks: 1, n_heads: 2, d_mlp: 32}
+  steps: 20
+  faithfulness_warmup_steps: 50
+  lr_components: {kind: cosine, value: 2.0e-3}
+  lr_ci_fn: {kind: cosine, value: 2.0e-3}
+loss:
+  imp_min: {coeff: 1.0e-3, kind: lp, p: {kind: constant, value: 2.0}}
+  stochastic:
+    stochastic: {coeff: 1.0, plan: all}
+  persistent_pgd:
+    ppgd: {coeff: 1.0, scope: bsc, n_warmup: 0}
+data: {batch_size: 8, eval_rows: 32, eval_seed: 5}
+eval: {every: 10, batch_size: 16, pgd_steps: 2}
+log: {every: 10, progress: false, tensorboard: false}
+"""
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A real byte-tokenized store (rows of 17 tokens: 16 inputs + the next token), the tiny
+    config and an LM pretrained on it for 30 steps through the CLI (one per test session:
+    the LM tests, the LM sharding matrix and the LM bench share it)."""
+    from ppgd_tpu import cli
+
+    root = tmp_path_factory.mktemp("lm")
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it"]
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        (root / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 1500)) + ".")
+    store = str(root / "store")
+    assert cli.run(["tokenize", "--input", str(root / "*.txt"), "--output", store,
+                    "--seq_len", "17"]) == 0
+    config = root / "tiny.yaml"
+    config.write_text(TINY_YAML)
+    target = str(root / "lm.safetensors")
+    assert cli.run(["pretrain", f"--config={config}", "--store", store,
+                    "--output", target]) == 0
+    return {"store": store, "config": str(config), "target": target, "root": root}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -24,6 +24,25 @@ def test_bench_ckpt_reports_blocking_commit_and_bytes(capsys, tmp_path):
     assert window > 0  # a mid-window `mean` checkpoint carries its accumulator
 
 
+def test_bench_step_devices_reports_the_lm_state_shrinking_with_fsdp(corpus, capsys):
+    """[D1] `bench step --devices 1,4` on the tiny LM: with every weight FSDP-sharded over 4
+    devices, the per-device train state is well under the 1-device one (batch-row and
+    replicated leaves, e.g. `sc` sources and scalars, keep it above 1/4)."""
+    assert cli.run(["bench", "step", f"--config={corpus['config']}",
+                    f"--target.path={corpus['target']}", f"--data.store={corpus['store']}",
+                    "--devices", "1,4", "--mesh.data=1", "--mesh.fsdp=-1",
+                    "--mesh.fsdp_min_elements=0", "--timing=false"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    mb, n = {}, None  # one block of `key  value` lines per device count
+    for key, value in (ln.split() for ln in out.splitlines() if ln.strip()):
+        if key == "devices":
+            n = int(value)
+        elif key == "state_mb_per_device":
+            mb[n] = float(value)
+    assert set(mb) == {1, 4} and mb[4] < 0.5 * mb[1]
+
+
 def test_bench_without_a_case_is_a_usage_error(capsys):
     assert cli.run(["bench"]) == 2
     assert "which benchmark" in capsys.readouterr().err

@@ -35,6 +35,47 @@ eval: {{batch_size: 64, every: 0, figures: false, pgd_steps: 2}}
 log: {{every: 1, progress: false, tensorboard: false}}
 mesh: {{fsdp_min_elements: 0}}  # V/U and their moments FSDP-sharded wherever fsdp > 1
 """
+# The tiny LM of tests/conftest.py (`corpus`): token-store batches of 8 rows x 16 positions,
+# both MLPs of both layers decomposed, a chunkwise-transformer CI fn, KL recon [S25], fp32.
+LM_CONFIG = f"""
+name: d3_lm
+seed: 3
+target:
+  kind: llama_simple_mlp
+  path: {{target}}
+  llama_simple_mlp: {{{{d_model: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, d_mlp: 64,
+                      max_seq_len: 32}}}}
+decomp:
+  sites: {{{{"h.*.mlp.c_fc": 8, "h.*.mlp.down_proj": 8}}}}
+  ci_fn: {{{{kind: chunkwise_transformer, d_model: 16, n_blocks: 1, n_heads: 2, d_mlp: 32,
+          detach_inputs: true}}}}
+  steps: {STEPS}
+  faithfulness_warmup_steps: 2
+  compute_dtype: float32
+loss:
+  stochastic: {{{{stochastic: {{{{plan: all}}}}}}}}
+  persistent_pgd:  # lr: see LM_TOL
+    sc: {{{{scope: sc, n_warmup: 1, lr: {{{{kind: constant, value: 1.0e-3}}}}}}}}
+    bsc: {{{{scope: bsc, coeff: 0.5, lr: {{{{kind: constant, value: 1.0e-3}}}}}}}}
+data: {{{{batch_size: 8, train_batch_replay: 4, store: "{{store}}", eval_rows: 32, eval_seed: 5}}}}
+eval: {{{{batch_size: 16, every: 0, figures: false, pgd_steps: 2}}}}
+log: {{{{every: 1, progress: false, tensorboard: false}}}}
+mesh: {{{{fsdp_min_elements: 0}}}}
+"""
+# Two LM quantities sit above fp32 reassociation for a reason, not a bug (measured 1 device
+# vs 4 and vs 2 x 2, see below); everything else keeps TOL.
+# - Persistent-PGD state: the ascent is Adam, u = g / (|g| + eps) per element [S15], whose
+#   slope is 1 / (4 eps) at |g| = eps. Per-position LM source gradients span 1e-9..1e-4, so
+#   some sit at eps = 1e-8, and there a reassociation of ~1e-9 (5e-6 of max |g|) moves
+#   a source by lr * 2.5e7 * 1e-9: measured 8e-5 after ONE step at lr 1e-2 (exactly
+#   lr * du), 6e-4 after 8. A larger eps only moves the cliff (1e-6: still 7e-5). The
+#   difference scales with lr, so the adversaries ascend at lr 1e-3 here, which keeps the
+#   knock-on into V/U and the CI fn below 2e-6; their sources/moments then differ by <= 7e-5.
+# - KL losses and evals: KL(p || q) of a nearly faithful model is a difference of nearly
+#   equal log-probabilities (KL ~ 1e-3 vs CE ~ 2.3), so its relative error is the fp32
+#   error of the log-probs times CE / KL; eval/kl/zero, which does not depend on the trained
+#   state at all, differs by 4e-6, the others by <= 1e-5.
+LM_TOL = {"training/adversaries/": 3e-4, "train/loss/": 2e-5, "eval/kl/": 2e-5}
 # 1 device; 4 devices as data 2 x fsdp 2; 2 processes x 2 devices as the hybrid mesh
 # DCN data 2 x ICI fsdp 2 (FSDP inside a process, data across processes).
 MESH = {"1": [], "4": ["--mesh.data=2", "--mesh.fsdp=2"], "2x2": ["--mesh.data=1",
@@ -82,26 +123,34 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(a), initial=0.0), 1e-12))
 
 
-def _assert_same(want_dir, got_dir, what: str, from_step: int = 0):
+def _tol(name: str, tols: dict) -> float:
+    """TOL unless a prefix in `tols` names the quantity."""
+    return next((t for prefix, t in (tols or {}).items() if name.startswith(prefix)), TOL)
+
+
+def _assert_same(want_dir, got_dir, what: str, from_step: int = 0, tols=None):
     want, got = _metrics(want_dir), _metrics(got_dir)
     assert [r.keys() for r in want] == [r.keys() for r in got], what
+    worst = {}
     for i, (a, b) in enumerate(zip(want, got)):
         for k in a:
             if i >= from_step:
-                assert _rel(a[k], b[k]) <= TOL, f"{what}: metric {k} row {i}: {a[k]} vs {b[k]}"
+                r = worst[k] = max(worst.get(k, 0.0), _rel(a[k], b[k]))
+                assert r <= _tol(k, tols), f"{what}: metric {k} row {i}: {a[k]} vs {b[k]}"
     wl, gl = _leaves(want_dir), _leaves(got_dir)
     assert sorted(wl) == sorted(gl), what
-    worst = max((_rel(wl[n], gl[n]), n) for n in wl)
-    assert worst[0] <= TOL, f"{what}: final leaf {worst[1]} differs (rel {worst[0]:.2e})"
+    for n in wl:
+        r = worst[n] = _rel(wl[n], gl[n])
+        assert r <= _tol(n, tols), f"{what}: final leaf {n} differs (rel {r:.2e})"
+    print(f"{what}: max rel", {k: f"{v:.1e}" for k, v in
+                               sorted(worst.items(), key=lambda kv: -kv[1])[:8]})
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{(mode, layout): run dir}: the same config on 1 device, 4 devices, 2 x 2 processes."""
-    root = tmp_path_factory.mktemp("d3")
-    _COMPILE_CACHE["JAX_COMPILATION_CACHE_DIR"] = str(root / "xla_cache")
+def _matrix(root, config_text: str) -> dict:
+    """{(mode, layout): run dir}: one config on 1 device, 4 devices, 2 x 2 processes."""
+    _COMPILE_CACHE.setdefault("JAX_COMPILATION_CACHE_DIR", str(root.parent / "d3_xla_cache"))
     config = root / "d3.yaml"
-    config.write_text(CONFIG)
+    config.write_text(config_text)
     out = {"config": config}
     for mode in ("every", "first"):
         for layout in LAYOUTS:
@@ -114,13 +163,29 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _matrix(tmp_path_factory.mktemp("d3"), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def lm_runs(tmp_path_factory, corpus):
+    return _matrix(tmp_path_factory.mktemp("d3_lm"),
+                   LM_CONFIG.format(target=corpus["target"], store=corpus["store"]))
+
+
+@pytest.mark.parametrize("target", ["toy", "lm"])
 @pytest.mark.parametrize("mode", ["every", "first"])
-def test_D3_same_trajectory_on_1_device_4_devices_and_2_processes(runs, mode):
-    """sc and bsc adversaries, replay k = 4: metrics and final state agree to 1e-5."""
+def test_D3_same_trajectory_on_1_device_4_devices_and_2_processes(request, target, mode):
+    """sc and bsc adversaries, replay k = 4: metrics and final state agree to 1e-5, on the
+    toy and on the tiny LM (token-store batches, chunkwise-transformer CI fn, KL recon)."""
+    runs = request.getfixturevalue({"toy": "runs", "lm": "lm_runs"}[target])
+    tols = LM_TOL if target == "lm" else {}
     assert "mesh {'data': 2, 'fsdp': 2} over 4 devices: ICI {'data': 1, 'fsdp': 2} x DCN " \
         "{'data': 2, 'fsdp': 1} (2 granule(s))" in runs["log", mode, "2x2"]
     for layout in ("4", "2x2"):
-        _assert_same(runs[mode, "1"], runs[mode, layout], f"{mode}: 1 device vs {layout}")
+        _assert_same(runs[mode, "1"], runs[mode, layout], f"{target} {mode}: 1 device vs "
+                     f"{layout}", tols=tols)
 
 
 @pytest.mark.parametrize("devices", [1, 4])
