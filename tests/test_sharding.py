@@ -159,7 +159,7 @@ def test_C4_a_checkpoint_written_by_2x2_resumes_on_another_mesh(runs, tmp_path, 
     _assert_same(straight, run, f"2x2 -> {devices} devices", from_step=6)
 
 
-LONG = 200  # steps of the stop test: its signal, sent after step 1, must land well before the end
+LONG = 100  # steps of the stop test: its signal, sent after step 1, must land well before the end
 
 
 def _child_pid(launcher: subprocess.Popen, index: int) -> int | None:
