@@ -7,15 +7,18 @@ Every multi-device case runs in a subprocess whose device count is set by its en
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ppgd_tpu import checkpoint
+from ppgd_tpu import checkpoint, dist
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -100,12 +103,16 @@ def _run(args: list[str], devices: int = 1, expect: int = 0) -> str:
     return p.stdout
 
 
-def _train(layout: str, run_dir, config, extra=()):
+def _train_args(layout: str, run_dir, config, extra=()) -> list[str]:
     args = ["train", f"--config={config}", f"--run_dir={run_dir}", *MESH[layout], *extra]
     if layout == "2x2":
-        return _run(["launch-local", "--processes", "2", "--devices_per_process", "2", "--",
-                     *args])
-    return _run(args, devices=int(layout))
+        return ["launch-local", "--processes", "2", "--devices_per_process", "2", "--", *args]
+    return args
+
+
+def _train(layout: str, run_dir, config, extra=()):
+    return _run(_train_args(layout, run_dir, config, extra),
+                devices=1 if layout == "2x2" else int(layout))
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -128,7 +135,8 @@ def _tol(name: str, tols: dict) -> float:
     return next((t for prefix, t in (tols or {}).items() if name.startswith(prefix)), TOL)
 
 
-def _assert_same(want_dir, got_dir, what: str, from_step: int = 0, tols=None):
+def _assert_same(want_dir, got_dir, what: str, from_step: int = 0, tols=None,
+                 step: int = STEPS):
     want, got = _metrics(want_dir), _metrics(got_dir)
     assert [r.keys() for r in want] == [r.keys() for r in got], what
     worst = {}
@@ -137,7 +145,7 @@ def _assert_same(want_dir, got_dir, what: str, from_step: int = 0, tols=None):
             if i >= from_step:
                 r = worst[k] = max(worst.get(k, 0.0), _rel(a[k], b[k]))
                 assert r <= _tol(k, tols), f"{what}: metric {k} row {i}: {a[k]} vs {b[k]}"
-    wl, gl = _leaves(want_dir), _leaves(got_dir)
+    wl, gl = _leaves(want_dir, step), _leaves(got_dir, step)
     assert sorted(wl) == sorted(gl), what
     for n in wl:
         r = worst[n] = _rel(wl[n], gl[n])
@@ -146,11 +154,17 @@ def _assert_same(want_dir, got_dir, what: str, from_step: int = 0, tols=None):
                                sorted(worst.items(), key=lambda kv: -kv[1])[:8]})
 
 
-def _matrix(root, config_text: str) -> dict:
-    """{(mode, layout): run dir}: one config on 1 device, 4 devices, 2 x 2 processes."""
+def _write_config(root, config_text: str) -> Path:
+    """The config as a file; this module's one XLA cache next to it."""
     _COMPILE_CACHE.setdefault("JAX_COMPILATION_CACHE_DIR", str(root.parent / "d3_xla_cache"))
     config = root / "d3.yaml"
     config.write_text(config_text)
+    return config
+
+
+def _matrix(config: Path) -> dict:
+    """{(mode, layout): run dir}: one config on 1 device, 4 devices, 2 x 2 processes."""
+    root = config.parent
     out = {"config": config}
     for mode in ("every", "first"):
         for layout in LAYOUTS:
@@ -164,14 +178,19 @@ def _matrix(root, config_text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return _matrix(tmp_path_factory.mktemp("d3"), CONFIG)
+def config(tmp_path_factory) -> Path:
+    return _write_config(tmp_path_factory.mktemp("d3"), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def runs(config):
+    return _matrix(config)
 
 
 @pytest.fixture(scope="module")
 def lm_runs(tmp_path_factory, corpus):
-    return _matrix(tmp_path_factory.mktemp("d3_lm"),
-                   LM_CONFIG.format(target=corpus["target"], store=corpus["store"]))
+    return _matrix(_write_config(tmp_path_factory.mktemp("d3_lm"), LM_CONFIG.format(
+        target=corpus["target"], store=corpus["store"])))
 
 
 @pytest.mark.parametrize("target", ["toy", "lm"])
@@ -208,6 +227,93 @@ def test_C4_a_checkpoint_written_by_2x2_resumes_on_another_mesh(runs, tmp_path, 
     out = _run(args, devices=devices)
     assert "resumed from the checkpoint at step 6" in out
     _assert_same(straight, run, f"2x2 -> {devices} devices", from_step=6)
+
+
+LONG = 64  # steps of the stop test: its signal, sent after step 1, must land well before the end
+
+
+def _child_pid(launcher: subprocess.Popen, index: int) -> int | None:
+    """The pid of `launch-local`'s child with PPGD_PROCESS_ID = index; None until it runs."""
+    want = f"{dist.ENV_PROCESS_ID}={index}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:  # stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after ")"
+            ppid = int((d / "stat").read_text().rpartition(")")[2].split()[1])
+            if ppid == launcher.pid and want in (d / "environ").read_bytes().split(b"\0"):
+                return int(d.name)
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return None
+
+
+def _logged_rows(run_dir) -> int:
+    path = Path(run_dir) / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def _await(what: str, ready, launcher: subprocess.Popen, log: Path):
+    """Poll `ready()` until truthy while the launcher runs (a hang guard, not a timing test)."""
+    deadline = time.monotonic() + 600
+    while not (value := ready()):
+        assert launcher.poll() is None and time.monotonic() < deadline, \
+            f"{what}: not yet, launcher exit code {launcher.poll()}\n{log.read_text()[-6000:]}"
+        time.sleep(0.05)
+    return value
+
+
+def test_C5_C3_D3_sigterm_on_one_of_2_processes_stops_both_at_one_step_and_resumes(config,
+                                                                                   tmp_path):
+    """SIGTERM to process 1 alone (not to the launcher) while training: both processes save
+    the same completed step and exit 0, and so does the launcher [C5]. The same command then
+    resumes (mid-window whenever that step is not a multiple of k = 4 [W6]) and ends on the
+    uninterrupted 2 x 2 run's digest [C3], and on the 4-device run's state within float
+    reassociation [D3].
+
+    No clock decides where the stop lands: the signal goes out once step 1 is logged, and the
+    stop follows within a few steps whatever the load (process 1 dispatches nothing past the
+    step it proposes, and process 0 runs at most MAX_IN_FLIGHT steps ahead of it). Usually it
+    arrives while the window's first replayed step compiles, a main thread blocked in XLA
+    (the watcher thread proposes), and the stop is at step 2: mid-window."""
+    extra = ["--data.replay_ci_update=first", f"--decomp.steps={LONG}"]
+    straight = {layout: tmp_path / f"straight-{layout}" for layout in ("2x2", "4")}
+    for layout, d in straight.items():
+        _train(layout, d, config, extra)
+
+    run = tmp_path / "stopped"
+    args = _train_args("2x2", run, config, extra)
+    log = tmp_path / "stopped.log"  # a file, not a pipe: nothing can block on a full pipe
+    with open(log, "w") as fh:
+        launcher = subprocess.Popen([sys.executable, "-m", "ppgd_tpu.cli", *args], env=_env(1),
+                                    stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        p1 = _await("process 1 started", lambda: _child_pid(launcher, 1), launcher, log)
+        _await("step 1 logged", lambda: _logged_rows(run), launcher, log)
+        os.kill(p1, signal.SIGTERM)
+        rc = launcher.wait(timeout=600)
+    finally:
+        if launcher.poll() is None:  # a failure above: take the children down with it
+            for pid in filter(None, (_child_pid(launcher, i) for i in (0, 1))):
+                os.kill(pid, signal.SIGKILL)
+            launcher.kill()
+            launcher.wait()
+    out = log.read_text()
+    assert rc == 0, out[-6000:]
+    stops = {int(p): (int(step), reason) for p, step, reason in re.findall(
+        r"^\[p(\d)\] stopped at step (\d+) \((.*?)\); checkpoint committed", out, re.M)}
+    assert sorted(stops) == [0, 1] and stops[0] == stops[1], out[-6000:]
+    stop, reason = stops[0]
+    assert reason == "SIGTERM on p1" and 0 < stop < LONG, out[-6000:]
+    assert checkpoint.latest_step(str(run)) == stop and not (run / "summary.json").exists()
+    if stop % 4:  # mid-window: the replay window's state was saved with the step [C1, W6]
+        assert "training/replay/envelope/lower/linear1" in _leaves(run, stop)
+
+    out = _run(args)
+    for p in (0, 1):
+        assert f"[p{p}/2]resumed from the checkpoint at step {stop}" in out, out[-6000:]
+    assert checkpoint.digest(str(run), LONG).overall == \
+        checkpoint.digest(str(straight["2x2"]), LONG).overall
+    _assert_same(straight["4"], run, f"2x2 stopped at {stop}, resumed vs 4 devices", step=LONG)
 
 
 def test_R1_D1_D2_placed_init_batches_imp_min_and_source_gradients_on_4_devices(runs):
