@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from ppgd_tpu import cpu_runtime as _cpu_runtime
+
+_cpu_runtime.add_xla_cpu_flags()  # before JAX creates its backends: same programs everywhere
+
 
 def load_decomposition(run_dir: str):
     """Final components of a run as numpy: {site: {"V": [d_in, C], "U": [C, d_out]}}."""

@@ -237,7 +237,7 @@ def run(argv: list[str]) -> int:
 def main() -> None:
     from ppgd_tpu import cpu_runtime
 
-    cpu_runtime.configure()
+    cpu_runtime.keep_step_buffers()
     logging.set_verbosity(logging.INFO)
     logging.use_absl_handler()
     sys.exit(run(sys.argv[1:]))

@@ -1,5 +1,5 @@
-"""Process-level settings for running XLA:CPU well, applied by the `ppgd-tpu` entry point
-before JAX starts. Each was measured with `ppgd-tpu bench step` on the toy configs.
+"""Process-level settings for running XLA:CPU well. Each was measured with `ppgd-tpu bench
+step` on the toy configs.
 
 - Host allocator: XLA:CPU allocates every step's temporaries with malloc. glibc serves
   blocks above its mmap threshold (128 KiB, adapting up to 32 MiB) with fresh mmaps and
@@ -10,7 +10,11 @@ before JAX starts. Each was measured with `ppgd-tpu bench step` on the toy confi
   producer of a reduction (the per-component CI MLP's [B, C, h] hidden layer) is written to
   memory first; without them XLA fuses producer and reduction (-20% CPU time on TMS 5-2).
 
-Both are skipped when the user set them (MALLOC_* variables; the flag in XLA_FLAGS).
+The XLA flag changes how sums are fused, hence float results: it is set when `ppgd_tpu` is
+imported (before JAX creates its backends), so the CLI, the Python API and tests compile the
+same programs and resume bitwise [C3]. The allocator setting changes no result and is made
+by the `ppgd-tpu` entry point only. Both are skipped when the user set them (MALLOC_*
+variables; the flag in XLA_FLAGS).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
+import warnings
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 KEEP_BELOW = 1 << 30  # blocks under 1 GiB stay in the heap; larger ones are mmapped
@@ -38,14 +44,18 @@ def keep_step_buffers() -> bool:
 
 
 def add_xla_cpu_flags(env=os.environ) -> None:
-    """Appends XLA_CPU_FLAGS to XLA_FLAGS (must run before JAX initialises its backends);
-    flags the user set win. CPU-only flags: accelerator backends ignore them."""
+    """Appends XLA_CPU_FLAGS to XLA_FLAGS; flags the user set win. CPU-only flags:
+    accelerator backends ignore them. Warns when JAX's backends already exist (the flags
+    then do not apply, and this process's CPU numerics differ from a `ppgd-tpu` run's)."""
     current = env.get("XLA_FLAGS", "")
     extra = [f for f in XLA_CPU_FLAGS if f.split("=")[0] not in current]
-    if extra:
-        env["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+    if not extra:
+        return
+    env["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+    if env is os.environ and "jax" in sys.modules:
+        from jax._src import xla_bridge
 
-
-def configure() -> None:
-    keep_step_buffers()
-    add_xla_cpu_flags()
+        if xla_bridge.backends_are_initialized():
+            warnings.warn("ppgd_tpu imported after JAX created its backends: XLA_FLAGS "
+                          f"{' '.join(extra)} not applied; import ppgd_tpu first for results "
+                          "bitwise comparable with `ppgd-tpu` runs", stacklevel=3)

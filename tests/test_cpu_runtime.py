@@ -27,3 +27,14 @@ def test_malloc_thresholds_are_set_unless_the_user_set_malloc_variables():
                                    text=True, check=True).stdout.strip()
     assert run(env) == "True"  # glibc (this machine, TPU VMs)
     assert run({**env, "MALLOC_ARENA_MAX": "2"}) == "False"
+
+
+def test_importing_ppgd_tpu_sets_the_xla_flags_before_jax_starts_and_warns_after():
+    """The CLI, the Python API and tests must compile the same programs [C3]."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = lambda code: subprocess.run([sys.executable, "-W", "always", "-c", code], env=env,
+                                      capture_output=True, text=True, check=True)
+    p = run("import ppgd_tpu, os; print(os.environ['XLA_FLAGS'])")
+    assert p.stdout.split() == list(cpu_runtime.XLA_CPU_FLAGS) and "not applied" not in p.stderr
+    p = run("import jax; jax.numpy.zeros(1).block_until_ready(); import ppgd_tpu")
+    assert "not applied" in p.stderr
