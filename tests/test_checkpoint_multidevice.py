@@ -233,8 +233,8 @@ def test_two_processes_write_own_shards_to_gcs_C4(gcs_emulator, tmp_path):
         for i in range(2)
     ]
     results = [finish(p) for p in procs]
-    for rc, out in results:
-        assert rc == 0 and "WORKER OK" in out, out
+    assert all(rc == 0 and "WORKER OK" in out for rc, out in results), "\n".join(
+        f"--- process {i} (rc {rc}):\n{out}" for i, (rc, out) in enumerate(results))
 
     restored = restore(run_dir)
     assert restored.step == 3 and restored.manifest.process_count == 2
