@@ -14,13 +14,15 @@ The XLA flag changes how sums are fused, hence float results: it is set when `pp
 imported (before JAX creates its backends), so the CLI, the Python API and tests compile the
 same programs and resume bitwise [C3]. The allocator setting changes no result and is made
 by the `ppgd-tpu` entry point only. Both are skipped when the user set them (MALLOC_*
-variables; the flag in XLA_FLAGS).
+variables; the flag in XLA_FLAGS); the flag also on hosts with an accelerator plugin, where
+JAX does not compute on CPU.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import os
 import sys
 import warnings
@@ -43,10 +45,24 @@ def keep_step_buffers() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_BELOW) and mallopt(_M_TRIM_THRESHOLD, KEEP_BELOW))
 
 
+ACCELERATOR_PLUGINS = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
+
+
+def computes_on_cpu(env=os.environ) -> bool:
+    """Whether JAX will compute on XLA:CPU: JAX_PLATFORMS says cpu, or no accelerator
+    plugin is installed. (On a TPU/GPU host the flags would not matter, and an older
+    plugin's XLA could refuse a flag it does not know.)"""
+    if env.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+        return True
+    return not any(importlib.util.find_spec(m) for m in ACCELERATOR_PLUGINS)
+
+
 def add_xla_cpu_flags(env=os.environ) -> None:
-    """Appends XLA_CPU_FLAGS to XLA_FLAGS; flags the user set win. CPU-only flags:
-    accelerator backends ignore them. Warns when JAX's backends already exist (the flags
-    then do not apply, and this process's CPU numerics differ from a `ppgd-tpu` run's)."""
+    """Appends XLA_CPU_FLAGS to XLA_FLAGS when JAX computes on CPU; flags the user set win.
+    Warns when JAX's backends already exist (the flags then do not apply, and this
+    process's CPU numerics differ from a `ppgd-tpu` run's)."""
+    if not computes_on_cpu(env):
+        return
     current = env.get("XLA_FLAGS", "")
     extra = [f for f in XLA_CPU_FLAGS if f.split("=")[0] not in current]
     if not extra:

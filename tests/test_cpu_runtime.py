@@ -8,14 +8,14 @@ from ppgd_tpu import cpu_runtime
 
 
 def test_xla_cpu_flags_are_appended_and_user_flags_win():
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     cpu_runtime.add_xla_cpu_flags(env)
     assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=4",
                                         *cpu_runtime.XLA_CPU_FLAGS]
-    mine = {"XLA_FLAGS": f"{cpu_runtime.YNN_FLAG}=+reduce"}
+    mine = {"XLA_FLAGS": f"{cpu_runtime.YNN_FLAG}=+reduce", "JAX_PLATFORMS": "cpu"}
     cpu_runtime.add_xla_cpu_flags(mine)
     assert mine["XLA_FLAGS"] == f"{cpu_runtime.YNN_FLAG}=+reduce"
-    empty = {}
+    empty = {"JAX_PLATFORMS": "cpu"}
     cpu_runtime.add_xla_cpu_flags(empty)
     assert empty["XLA_FLAGS"] == " ".join(cpu_runtime.XLA_CPU_FLAGS)
 
@@ -38,3 +38,17 @@ def test_importing_ppgd_tpu_sets_the_xla_flags_before_jax_starts_and_warns_after
     assert p.stdout.split() == list(cpu_runtime.XLA_CPU_FLAGS) and "not applied" not in p.stderr
     p = run("import jax; jax.numpy.zeros(1).block_until_ready(); import ppgd_tpu")
     assert "not applied" in p.stderr
+
+
+def test_no_xla_cpu_flags_where_an_accelerator_plugin_is_installed(tmp_path):
+    """A TPU host (libtpu importable, JAX_PLATFORMS unset) gets no CPU flags; asking for the
+    CPU platform there still gets them."""
+    (tmp_path / "libtpu").mkdir()
+    (tmp_path / "libtpu" / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    code = "import ppgd_tpu, os; print(os.environ.get('XLA_FLAGS', '-'))"
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True,
+                                   text=True, check=True).stdout.strip()
+    assert run(env) == "-"
+    assert run({**env, "JAX_PLATFORMS": "cpu"}) == " ".join(cpu_runtime.XLA_CPU_FLAGS)
