@@ -84,8 +84,8 @@ CHUNK_BYTES = 1 << 20  # per-chunk [rows, C, h] working set: fits a CPU core's L
 
 def _row_chunks(n_rows: int, width: int) -> int:
     """How many chunks the backward walks the rows in: 1 off CPU (accelerators fuse the
-    whole [rows, C, h] pass); on CPU the fewest divisors of n_rows that keep a chunk's
-    [rows, C, h] working set under CHUNK_BYTES (1 when n_rows has no such divisor)."""
+    whole [rows, C, h] pass); on CPU the smallest divisor of n_rows that keeps a chunk's
+    [rows, C, h] working set under CHUNK_BYTES (n_rows itself at worst)."""
     if jax.default_backend() != "cpu":
         return 1
     want = -(-n_rows * width * 4 // CHUNK_BYTES)
