@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ppgd_tpu.config import Config, ImpMinConfig, PersistentPGDTerm, Schedule, StochasticTerm
-from ppgd_tpu.decomp import adversary, ci_fn, components, losses, schedules
+from ppgd_tpu.decomp import adversary, ci_fn, component_mlp, components, losses, rng, schedules
 from ppgd_tpu.decomp.divergence import kl
 from ppgd_tpu.targets import tms
 from ppgd_tpu.targets.base import SiteMask
@@ -413,15 +413,19 @@ def test_N1_bf16_compute_keeps_fp32_masters_and_fp32_losses():
         float(m32["train/loss/stochastic"]), rel=0.1)
 
 
-@pytest.mark.parametrize("lead", [(4096,), (6, 7), (97,)])
-def test_S5_per_component_ci_mlp_and_its_chunked_backward_match_the_formula(lead):
+@pytest.mark.parametrize("lead,zero_rows", [((4096,), 0.0), ((4096,), 0.77), ((6, 7), 0.5),
+                                             ((97,), 0.0), ((1000,), 1.0)])
+def test_S5_per_component_ci_mlp_and_its_chunked_backward_match_the_formula(lead, zero_rows):
     """out_c = sum_h w2 gelu_tanh(a_c w1 + b1) + b2 and its vjp, against autodiff of that
-    formula in float64; (4096,) walks the rows in chunks on CPU, (97,) in one."""
+    formula in float64. (4096,) walks the rows in several chunks on CPU; a fraction
+    `zero_rows` of all-zero input rows (TMS: 77%) skips them, their output f(0) and input
+    gradient g f'(0) included; (1000,) has no live row at all."""
     with jax.enable_x64(True):
         C, h = 20, 16
-        ks = jax.random.split(jax.random.key(0), 6)
-        args = [jax.random.normal(ks[0], lead + (C,), jnp.float64),
-                *(jax.random.normal(k, (C, h), jnp.float64) for k in ks[1:4]),
+        ks = jax.random.split(jax.random.key(0), 7)
+        a = jax.random.normal(ks[0], lead + (C,), jnp.float64)
+        a = jnp.where(jax.random.bernoulli(ks[6], zero_rows, lead)[..., None], 0.0, a)
+        args = [a, *(jax.random.normal(k, (C, h), jnp.float64) for k in ks[1:4]),
                 jax.random.normal(ks[4], (C,), jnp.float64)]
         g = jax.random.normal(ks[5], lead + (C,), jnp.float64)
 
@@ -430,14 +434,14 @@ def test_S5_per_component_ci_mlp_and_its_chunked_backward_match_the_formula(lead
             gelu = 0.5 * pre * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (pre + 0.044715 * pre ** 3)))
             return jnp.einsum("...ch,ch->...c", gelu, w2) + b2
 
-        out, vjp = jax.vjp(ci_fn.component_mlp, *args)
+        out, vjp = jax.jit(lambda *x: jax.vjp(component_mlp.component_mlp, *x))(*args)
         want, want_vjp = jax.vjp(formula, *args)
         np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
         for got, exp in zip(vjp(g), want_vjp(g)):
             assert got.shape == exp.shape
             np.testing.assert_allclose(got, exp, rtol=1e-10, atol=1e-10 * float(jnp.abs(exp).max()))
     if lead == (4096,):
-        assert ci_fn._row_chunks(4096, C * h) > 1
+        assert component_mlp.chunk_rows(4096, C * h) < 4096 / 2
 
 
 @pytest.mark.parametrize("n_layers", [1, 2])
@@ -483,27 +487,42 @@ def test_S2_resid_mlp_factored_residual_equals_the_dense_forward(n_layers):
 _SHARDED_CI_MLP = """
 import ppgd_tpu, jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from ppgd_tpu.decomp.ci_fn import component_mlp, _row_chunks
+from ppgd_tpu.decomp.component_mlp import component_mlp, chunk_rows
 ks = jax.random.split(jax.random.key(0), 6); C, h, B = 20, 16, 4096
-args = [jax.random.normal(ks[0], (B, C))] + [jax.random.normal(k, (C, h)) for k in ks[1:4]] \\
-    + [jax.random.normal(ks[4], (C,))]
+a = jax.random.normal(ks[0], (B, C)) * (jnp.arange(B) % 4 == 0)[:, None]  # 3/4 zero rows
+args = [a] + [jax.random.normal(k, (C, h)) for k in ks[1:4]] + [jax.random.normal(ks[4], (C,))]
 g = jax.random.normal(ks[5], (B, C))
 want = jax.jit(lambda *a: jax.vjp(component_mlp, *a)[1](g))(*args)
-mesh = jax.make_mesh((4,), ("data",))
+mesh = jax.sharding.Mesh(jax.devices(), ("data",))  # Auto axes, as ppgd_tpu.mesh builds
 rows, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
 placed = [jax.device_put(args[0], rows)] + [jax.device_put(a, rep) for a in args[1:]]
 got = jax.jit(lambda *a: jax.vjp(component_mlp, *a)[1](jax.device_put(g, rows)))(*placed)
-assert _row_chunks(B, C * h) > 1 and got[0].sharding.spec == P("data", None)
+assert chunk_rows(B, C * h) < B
 print("REL", max(float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip(got, want)))
 """
 
 
 def test_D3_per_component_ci_mlp_backward_on_row_sharded_rows_matches_one_device():
-    """The chunked backward on a batch split over 4 devices: row cotangents stay sharded
-    with the rows, weight gradients equal the one-device ones up to reassociation."""
+    """The chunked, zero-row-skipping backward on a batch split over 4 devices (Auto axes, as
+    ppgd_tpu.mesh builds them; XLA gathers the live rows across shards): every cotangent
+    equals the one-device one up to reassociation."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     p = subprocess.run([sys.executable, "-c", _SHARDED_CI_MLP], env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     assert float(p.stdout.split("REL")[1]) < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(4096, 21), (3, 5, 7), (1,), (0, 4)])
+def test_R1_mask_uniforms_are_bit_identical_to_jax_random_uniform(shape):
+    """rng.uniform (the stochastic masks' draw, unrolled threefry) is jax.random.uniform bit
+    for bit, under jit and eagerly, so replacing it changed no trajectory; other PRNG
+    implementations fall back to JAX's own draw."""
+    for seed in range(3):
+        key = jax.random.fold_in(jax.random.key(seed), 1000 + seed)
+        want = jax.random.uniform(key, shape)
+        np.testing.assert_array_equal(jax.jit(rng.uniform, static_argnums=1)(key, shape), want)
+        np.testing.assert_array_equal(rng.uniform(key, shape), want)
+    rbg = jax.random.key(0, impl="rbg")
+    np.testing.assert_array_equal(rng.uniform(rbg, shape), jax.random.uniform(rbg, shape))

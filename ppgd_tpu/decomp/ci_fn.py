@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppgd_tpu.config import CIFnConfig
+from ppgd_tpu.decomp.component_mlp import component_mlp
 from ppgd_tpu.targets.lowrank import dense
 
 LEAK = 0.01
@@ -67,74 +68,6 @@ def ci_from_logits(logits: dict[str, jax.Array]) -> CI:
 
 def _normal(key, shape, fan_in):
     return jax.random.normal(key, shape, jnp.float32) * np.sqrt(2.0 / fan_in)
-
-
-_GELU_K0, _GELU_K1 = float(np.sqrt(2.0 / np.pi)), 0.044715
-
-
-def _gelu_and_slope(z):
-    """tanh-GELU (jax.nn.gelu's default) and its derivative from one tanh."""
-    t = jnp.tanh(_GELU_K0 * (z + _GELU_K1 * z * z * z))
-    return 0.5 * z * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _GELU_K0 * (
-        1.0 + 3.0 * _GELU_K1 * z * z)
-
-
-CHUNK_BYTES = 1 << 20  # per-chunk [rows, C, h] working set: fits a CPU core's L2
-
-
-def _row_chunks(n_rows: int, width: int) -> int:
-    """How many chunks the backward walks the rows in: 1 off CPU (accelerators fuse the
-    whole [rows, C, h] pass); on CPU the smallest divisor of n_rows that keeps a chunk's
-    [rows, C, h] working set under CHUNK_BYTES (n_rows itself at worst)."""
-    if jax.default_backend() != "cpu":
-        return 1
-    want = -(-n_rows * width * 4 // CHUNK_BYTES)
-    return next((n for n in range(want, n_rows + 1) if n_rows % n == 0), 1)
-
-
-@jax.custom_vjp
-def component_mlp(a, w1, b1, w2, b2):
-    """Per-component scalar MLP [*lead, C] -> [*lead, C]: out_c = sum_h w2[c,h]
-    gelu(a_c w1[c,h] + b1[c,h]) + b2[c], never keeping the [*lead, C, h] hidden layer.
-
-    The backward recomputes it chunk by chunk over the rows (strided, so each chunk holds
-    rows of every shard of a row-sharded batch) and accumulates the weight gradients: on
-    CPU the working set stays in cache instead of streaming several [*lead, C, h] arrays
-    through memory (`ppgd-tpu bench step`: ~2x on this CI fn's backward).
-    """
-    return jnp.sum(_gelu_and_slope(a[..., None] * w1 + b1)[0] * w2, axis=-1) + b2
-
-
-def _component_mlp_fwd(a, w1, b1, w2, b2):
-    return component_mlp(a, w1, b1, w2, b2), (a, w1, b1, w2)
-
-
-def _component_mlp_bwd(res, g):
-    a, w1, b1, w2 = res
-    lead, C = a.shape[:-1], a.shape[-1]
-    rows = int(np.prod(lead, dtype=np.int64))
-    n = _row_chunks(rows, C * w1.shape[-1])
-
-    def chunk(acc, ag):
-        ac, gc = ag  # [rows / n, C]
-        y, slope = _gelu_and_slope(ac[..., None] * w1 + b1)
-        dpre = gc[..., None] * w2 * slope
-        dw1, db1, dw2 = acc
-        return (dw1 + jnp.sum(dpre * ac[..., None], 0), db1 + jnp.sum(dpre, 0),
-                dw2 + jnp.sum(y * gc[..., None], 0)), jnp.sum(dpre * w1, -1)
-
-    def strided(x):  # [rows, C] -> [n, rows / n, C], chunk i = rows i, i + n, ...
-        return jnp.swapaxes(x.reshape(rows // n, n, C), 0, 1)
-
-    zero = jnp.zeros(w1.shape, jnp.result_type(a, w1))
-    (dw1, db1, dw2), da = jax.lax.scan(chunk, (zero, zero, zero),
-                                       (strided(a.reshape(rows, C)), strided(g.reshape(rows, C))))
-    da = jnp.swapaxes(da, 0, 1).reshape(a.shape)
-    return (da.astype(a.dtype), dw1.astype(w1.dtype), db1.astype(b1.dtype),
-            dw2.astype(w2.dtype), jnp.sum(g.reshape(rows, C), 0).astype(w2.dtype))
-
-
-component_mlp.defvjp(_component_mlp_fwd, _component_mlp_bwd)
 
 
 class PerComponentMLP(eqx.Module):

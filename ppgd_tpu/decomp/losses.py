@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ppgd_tpu.config import ImpMinConfig, StochasticTerm
+from ppgd_tpu.decomp import rng
 from ppgd_tpu.targets.base import MaskThunk, SiteMask
 
 
@@ -85,7 +86,7 @@ def stochastic_masks(key, lower: dict[str, jax.Array], live: tuple[str, ...], ro
 
 
 def _stochastic_site_mask(key, lower, use_delta: bool, route) -> SiteMask:
-    src = jax.random.uniform(key, (*lower.shape[:-1], lower.shape[-1] + 1))
+    src = jax.lax.optimization_barrier(rng.uniform(key, (*lower.shape[:-1], lower.shape[-1] + 1)))
     return mask_from_source(lower, src, use_delta)._replace(route=route)
 
 
