@@ -61,6 +61,7 @@ def _forward(a, w1, b1, w2, b2):
 
 
 def _fwd(a, w1, b1, w2, b2):
+    a = jnp.asarray(a)  # eager callers may pass host constants, which have no `.at`
     rows, C = a.shape
     k = chunk_rows(rows, C * w1.shape[-1])
     idx, n_live, live = _live_chunks(a, k)
