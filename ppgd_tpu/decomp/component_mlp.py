@@ -6,11 +6,12 @@ pass, so on CPU (measured with `ppgd-tpu bench step`):
 
 - rows whose inputs are all exactly zero (TMS: 77% of a batch, every feature off) all have the
   output f(0) and the input gradient g * f'(0), so only the live rows go through the MLP:
-  gathered into the smallest of a few static capacities that holds them (one `lax.switch`
-  branch per capacity, the whole batch as the last). Exact: the same per-row arithmetic, the
-  weight-gradient sums only reassociated (~3.5x on the TMS CI fn's forward + backward);
-- the backward recomputes the hidden layer chunk by chunk over the rows and accumulates the
-  weight gradients, so the working set stays in cache (~2x on the backward).
+  gathered live-rows-first into fixed-size chunks and run by a `fori_loop` whose trip count
+  is the number of chunks holding live rows (one compiled body, any live fraction). Exact:
+  the same per-row arithmetic, the weight-gradient sums only reassociated (~2.4x on the TMS
+  CI fn's forward + backward);
+- the backward recomputes the hidden layer chunk by chunk and accumulates the weight
+  gradients, so the working set stays in cache (~2x on the backward).
 
 Off CPU the whole batch goes through in one chunk: accelerators fuse the pass.
 """
