@@ -514,15 +514,16 @@ def test_D3_per_component_ci_mlp_backward_on_row_sharded_rows_matches_one_device
     assert float(p.stdout.split("REL")[1]) < 1e-5
 
 
-@pytest.mark.parametrize("shape", [(4096, 21), (3, 5, 7), (1,), (0, 4)])
-def test_R1_mask_uniforms_are_bit_identical_to_jax_random_uniform(shape):
-    """rng.uniform (the stochastic masks' draw, unrolled threefry) is jax.random.uniform bit
-    for bit, under jit and eagerly, so replacing it changed no trajectory; other PRNG
-    implementations fall back to JAX's own draw."""
-    for seed in range(3):
-        key = jax.random.fold_in(jax.random.key(seed), 1000 + seed)
-        want = jax.random.uniform(key, shape)
-        np.testing.assert_array_equal(jax.jit(rng.uniform, static_argnums=1)(key, shape), want)
-        np.testing.assert_array_equal(rng.uniform(key, shape), want)
-    rbg = jax.random.key(0, impl="rbg")
-    np.testing.assert_array_equal(rng.uniform(rbg, shape), jax.random.uniform(rbg, shape))
+@pytest.mark.parametrize("shape", [(4096, 21), (3, 5, 7), (2, 3, 4, 5), (1,), (0, 4)])
+def test_R1_rng_draws_are_bit_identical_to_jax_random(shape):
+    """rng.uniform (unrolled threefry: the stochastic masks) and rng.normal (drawn flat: the
+    inits) are jax.random.uniform / normal bit for bit, under jit and eagerly, so using them
+    changed no trajectory; other PRNG implementations fall back to JAX's own draws."""
+    for ours, theirs in ((rng.uniform, jax.random.uniform), (rng.normal, jax.random.normal)):
+        for seed in range(3):
+            key = jax.random.fold_in(jax.random.key(seed), 1000 + seed)
+            want = theirs(key, shape)
+            np.testing.assert_array_equal(jax.jit(ours, static_argnums=1)(key, shape), want)
+            np.testing.assert_array_equal(ours(key, shape), want)
+        rbg = jax.random.key(0, impl="rbg")
+        np.testing.assert_array_equal(ours(rbg, shape), theirs(rbg, shape))

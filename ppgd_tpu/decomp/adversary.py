@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ppgd_tpu.config import PersistentPGDTerm
+from ppgd_tpu.decomp import rng
 
 
 class Adversary(eqx.Module):
@@ -30,7 +31,7 @@ def scope_shape(scope: str, leading: tuple[int, ...]) -> tuple[int, ...]:
 
 def init(key, scope: str, leading: tuple[int, ...], C: dict[str, int]) -> Adversary:
     shape = scope_shape(scope, leading)
-    src = {s: jax.random.uniform(jax.random.fold_in(key, i), (*shape, c + 1))
+    src = {s: rng.uniform(jax.random.fold_in(key, i), (*shape, c + 1))
            for i, (s, c) in enumerate(C.items())}
     m = {s: jnp.zeros_like(x) for s, x in src.items()}
     v = {s: jnp.zeros_like(x) for s, x in src.items()}  # distinct buffers: state is donated

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppgd_tpu.config import CIFnConfig
+from ppgd_tpu.decomp import rng
 from ppgd_tpu.decomp.component_mlp import component_mlp
 from ppgd_tpu.targets.lowrank import dense
 
@@ -67,7 +68,7 @@ def ci_from_logits(logits: dict[str, jax.Array]) -> CI:
 
 
 def _normal(key, shape, fan_in):
-    return jax.random.normal(key, shape, jnp.float32) * np.sqrt(2.0 / fan_in)
+    return rng.normal(key, shape) * np.sqrt(2.0 / fan_in)
 
 
 class PerComponentMLP(eqx.Module):

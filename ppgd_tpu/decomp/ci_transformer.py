@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppgd_tpu.config import CIFnConfig, ConfigError
+from ppgd_tpu.decomp import rng
 from ppgd_tpu.targets.llama_simple_mlp import apply_rope, attention, rms_norm, rope_tables
 from ppgd_tpu.targets.lowrank import dense
 
@@ -150,7 +151,7 @@ def init(cfg: CIFnConfig, key, d_in: dict[str, int], C: dict[str, int]) -> Chunk
     ks = iter(jax.random.split(key, 8 + len(chunks[0])))
 
     def normal(shape, fan_in, scale=1.0):
-        return jax.random.normal(next(ks), shape, jnp.float32) * (scale / np.sqrt(fan_in))
+        return rng.normal(next(ks), shape) * (scale / np.sqrt(fan_in))
 
     out_scale = 1.0 / np.sqrt(2 * n)  # residual writers
     blocks = Blocks(

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppgd_tpu.config import ConfigError
+from ppgd_tpu.decomp import rng
 
 
 class Components(eqx.Module):
@@ -51,8 +52,8 @@ def init(key, weights: dict[str, jax.Array], C: dict[str, int]) -> Components:
     for i, (s, c) in enumerate(C.items()):
         d_in, d_out = weights[s].shape
         kv, ku = jax.random.split(jax.random.fold_in(key, i))
-        V[s] = jax.random.normal(kv, (d_in, c), jnp.float32) / np.sqrt(d_in)
-        U[s] = jax.random.normal(ku, (c, d_out), jnp.float32) / np.sqrt(c)
+        V[s] = rng.normal(kv, (d_in, c)) / np.sqrt(d_in)
+        U[s] = rng.normal(ku, (c, d_out)) / np.sqrt(c)
     return Components(V=V, U=U)
 
 

@@ -59,7 +59,7 @@ def uniform_k_routes(key, leading: tuple[int, ...], n_live: int) -> jax.Array:
     """
     k_k, k_perm = jax.random.split(key)
     k = jax.random.randint(k_k, leading, 1, n_live + 1)
-    scores = jax.random.uniform(k_perm, (n_live, *leading))
+    scores = rng.uniform(k_perm, (n_live, *leading))
     rank = jnp.argsort(jnp.argsort(scores, axis=0), axis=0)
     return rank < k[None]
 
