@@ -62,17 +62,41 @@ def corpus(tmp_path_factory):
     return {"store": store, "config": str(config), "target": target, "root": root}
 
 
+def _session_env(values: dict):
+    """Sets environment variables for the session (subprocesses inherit them); a generator
+    that restores what was there."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session", autouse=True)
 def target_cache(tmp_path_factory):
     """Trained toy targets are cached per test session, never in the user's ~/.cache."""
     path = str(tmp_path_factory.mktemp("target_cache"))
-    old = os.environ.get("PPGD_TPU_CACHE")
-    os.environ["PPGD_TPU_CACHE"] = path
-    yield path
-    if old is None:
-        os.environ.pop("PPGD_TPU_CACHE", None)
-    else:
-        os.environ["PPGD_TPU_CACHE"] = old
+    for _ in _session_env({"PPGD_TPU_CACHE": path}):
+        yield path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory):
+    """One persistent XLA cache for the session, in this process and every subprocess: the
+    many runs of one config (resume at each step, the sharding matrix, the CLI tests) load
+    a program compiled once instead of compiling it again; fresh per session, so each
+    program is still compiled at least once. JAX's own feature, as users can enable it."""
+    import jax
+
+    path = str(tmp_path_factory.mktemp("xla_cache"))
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    for _ in _session_env({"JAX_COMPILATION_CACHE_DIR": path,
+                           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}):
+        yield path
 
 
 @pytest.fixture(scope="session")

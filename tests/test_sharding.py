@@ -84,12 +84,10 @@ LM_TOL = {"training/adversaries/": 3e-4, "train/loss/": 2e-5, "eval/kl/": 2e-5}
 MESH = {"1": [], "4": ["--mesh.data=2", "--mesh.fsdp=2"], "2x2": ["--mesh.data=1",
                                                                   "--mesh.fsdp=2"]}
 LAYOUTS = ("1", "4", "2x2")
-_COMPILE_CACHE = {}  # one persistent XLA cache for this module's subprocesses (not ~/.cache)
 
 
 def _env(devices: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **_COMPILE_CACHE}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -155,18 +153,16 @@ def _assert_same(want_dir, got_dir, what: str, from_step: int = 0, tols=None,
 
 
 def _write_config(root, config_text: str) -> Path:
-    """The config as a file; this module's one XLA cache next to it."""
-    _COMPILE_CACHE.setdefault("JAX_COMPILATION_CACHE_DIR", str(root.parent / "d3_xla_cache"))
     config = root / "d3.yaml"
     config.write_text(config_text)
     return config
 
 
-def _matrix(config: Path) -> dict:
+def _matrix(config: Path, modes=("every", "first")) -> dict:
     """{(mode, layout): run dir}: one config on 1 device, 4 devices, 2 x 2 processes."""
     root = config.parent
     out = {"config": config}
-    for mode in ("every", "first"):
+    for mode in modes:
         for layout in LAYOUTS:
             d = root / f"{mode}-{layout}"
             extra = [f"--data.replay_ci_update={mode}"]
@@ -189,12 +185,13 @@ def runs(config):
 
 @pytest.fixture(scope="module")
 def lm_runs(tmp_path_factory, corpus):
+    """`first` only: its window-opening step is the full step (returning its envelope), the
+    others replay it, so it covers what `every` would, at half the LM matrix's cost."""
     return _matrix(_write_config(tmp_path_factory.mktemp("d3_lm"), LM_CONFIG.format(
-        target=corpus["target"], store=corpus["store"])))
+        target=corpus["target"], store=corpus["store"])), modes=("first",))
 
 
-@pytest.mark.parametrize("target", ["toy", "lm"])
-@pytest.mark.parametrize("mode", ["every", "first"])
+@pytest.mark.parametrize("target, mode", [("toy", "every"), ("toy", "first"), ("lm", "first")])
 def test_D3_same_trajectory_on_1_device_4_devices_and_2_processes(request, target, mode):
     """sc and bsc adversaries, replay k = 4: metrics and final state agree to 1e-5, on the
     toy and on the tiny LM (token-store batches, chunkwise-transformer CI fn, KL recon)."""
@@ -262,13 +259,12 @@ def _await(what: str, ready, launcher: subprocess.Popen, log: Path):
     return value
 
 
-def test_C5_C3_D3_sigterm_on_one_of_2_processes_stops_both_at_one_step_and_resumes(config,
-                                                                                   tmp_path):
+def test_C5_C3_sigterm_on_one_of_2_processes_stops_both_at_one_step_and_resumes(config,
+                                                                                tmp_path):
     """SIGTERM to process 1 alone (not to the launcher) while training: both processes save
     the same completed step and exit 0, and so does the launcher [C5]. The same command then
     resumes (mid-window whenever that step is not a multiple of k = 4 [W6]) and ends on the
-    uninterrupted 2 x 2 run's digest [C3], and on the 4-device run's state within float
-    reassociation [D3].
+    uninterrupted 2 x 2 run's digest [C3] (which the D3 matrix above ties to 1 and 4 devices).
 
     No clock decides where the stop lands: the signal goes out once step 1 is logged, and the
     stop follows within a few steps whatever the load (process 1 dispatches nothing past the
@@ -276,9 +272,8 @@ def test_C5_C3_D3_sigterm_on_one_of_2_processes_stops_both_at_one_step_and_resum
     arrives while the window's first replayed step compiles, a main thread blocked in XLA
     (the watcher thread proposes), and the stop is at step 2: mid-window."""
     extra = ["--data.replay_ci_update=first", f"--decomp.steps={LONG}"]
-    straight = {layout: tmp_path / f"straight-{layout}" for layout in ("2x2", "4")}
-    for layout, d in straight.items():
-        _train(layout, d, config, extra)
+    straight = tmp_path / "straight"
+    _train("2x2", straight, config, extra)
 
     run = tmp_path / "stopped"
     args = _train_args("2x2", run, config, extra)
@@ -312,8 +307,7 @@ def test_C5_C3_D3_sigterm_on_one_of_2_processes_stops_both_at_one_step_and_resum
     for p in (0, 1):
         assert f"[p{p}/2]resumed from the checkpoint at step {stop}" in out, out[-6000:]
     assert checkpoint.digest(str(run), LONG).overall == \
-        checkpoint.digest(str(straight["2x2"]), LONG).overall
-    _assert_same(straight["4"], run, f"2x2 stopped at {stop}, resumed vs 4 devices", step=LONG)
+        checkpoint.digest(str(straight), LONG).overall
 
 
 def test_R1_D1_D2_placed_init_batches_imp_min_and_source_gradients_on_4_devices(runs):
