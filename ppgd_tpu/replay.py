@@ -54,6 +54,9 @@ class ReplayController:
         self.mean_accum = jit(dec.mean_accum, (1, 2), ((tg, env), st, env, b), (st, env, sc))
         # acc is not donated here: no output has its shape, so XLA could not reuse it.
         self.mean_update = jit(dec.mean_update, 1, ((tg, env), st, env, b), (st, sc))
+        # jitted, so the accumulator arrives committed like mean_accum's own output: an eagerly
+        # made one cost a second compile of mean_accum
+        self.zero_acc = jit(zero_accumulator, (), (env,), env)
         self.env: Envelope | None = None
         self.acc: Envelope | None = None
 
@@ -68,7 +71,7 @@ class ReplayController:
         if self.mode == "every":
             return
         self.env = self.compute_ci(target, state, batch)
-        self.acc = zero_accumulator(self.env) if self.mode == "mean" else None
+        self.acc = self.zero_acc(self.env) if self.mode == "mean" else None
 
     def step(self, s: int, state: TrainState, target, batch):
         """Runs global step s; returns (state, device metrics)."""
@@ -83,7 +86,7 @@ class ReplayController:
         if t == 0:
             self.env = self.compute_ci(target, state, batch)
             if self.mode == "mean":
-                self.acc = zero_accumulator(self.env)
+                self.acc = self.zero_acc(self.env)
         if self.mode == "last":
             if t < self.k - 1:
                 return self.repeat((target, self.env), state, batch)
