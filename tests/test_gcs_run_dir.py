@@ -42,11 +42,11 @@ def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator):
 def test_sigterm_resume_on_gcs(gcs_emulator):
     run = gcs_emulator.run_dir()
     args = [*[a.replace("--decomp.steps=8", "--decomp.steps=2000") for a in ARGS],
-            "--log.every=50", "--checkpoint.every=100"]
+            "--log.every=50", "--checkpoint.every=500"]
     cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run}", *args]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
-    while checkpoint.latest_step(run) is None:  # the loop is running once step 100 committed
+    while checkpoint.latest_step(run) is None:  # the loop is running once step 500 committed
         assert time.time() < deadline and p.poll() is None, "training did not start"
         time.sleep(0.1)
     p.send_signal(signal.SIGTERM)

@@ -158,18 +158,19 @@ def _write_config(root, config_text: str) -> Path:
     return config
 
 
-def _matrix(config: Path, modes=("every", "first")) -> dict:
-    """{(mode, layout): run dir}: one config on 1 device, 4 devices, 2 x 2 processes."""
+def _matrix(config: Path) -> dict:
+    """{layout: run dir}: one config on 1 device, 4 devices, 2 x 2 processes, replay mode
+    `first`: its window-opening step is the full step (`every`'s, also returning its
+    envelope) and the others replay that envelope, so one mode covers both step kinds."""
     root = config.parent
     out = {"config": config}
-    for mode in modes:
-        for layout in LAYOUTS:
-            d = root / f"{mode}-{layout}"
-            extra = [f"--data.replay_ci_update={mode}"]
-            if (mode, layout) == ("first", "2x2"):  # every step kept: the restore cases
-                extra += ["--checkpoint.every=1", f"--checkpoint.keep_last_n={STEPS + 1}"]
-            out[mode, layout] = d
-            out["log", mode, layout] = _train(layout, d, config, extra)
+    for layout in LAYOUTS:
+        d = root / layout
+        extra = ["--data.replay_ci_update=first"]
+        if layout == "2x2":  # every step kept: the restore cases
+            extra += ["--checkpoint.every=1", f"--checkpoint.keep_last_n={STEPS + 1}"]
+        out[layout] = d
+        out["log", layout] = _train(layout, d, config, extra)
     return out
 
 
@@ -185,23 +186,20 @@ def runs(config):
 
 @pytest.fixture(scope="module")
 def lm_runs(tmp_path_factory, corpus):
-    """`first` only: its window-opening step is the full step (returning its envelope), the
-    others replay it, so it covers what `every` would, at half the LM matrix's cost."""
     return _matrix(_write_config(tmp_path_factory.mktemp("d3_lm"), LM_CONFIG.format(
-        target=corpus["target"], store=corpus["store"])), modes=("first",))
+        target=corpus["target"], store=corpus["store"])))
 
 
-@pytest.mark.parametrize("target, mode", [("toy", "every"), ("toy", "first"), ("lm", "first")])
-def test_D3_same_trajectory_on_1_device_4_devices_and_2_processes(request, target, mode):
+@pytest.mark.parametrize("target", ["toy", "lm"])
+def test_D3_same_trajectory_on_1_device_4_devices_and_2_processes(request, target):
     """sc and bsc adversaries, replay k = 4: metrics and final state agree to 1e-5, on the
     toy and on the tiny LM (token-store batches, chunkwise-transformer CI fn, KL recon)."""
     runs = request.getfixturevalue({"toy": "runs", "lm": "lm_runs"}[target])
     tols = LM_TOL if target == "lm" else {}
     assert "mesh {'data': 2, 'fsdp': 2} over 4 devices: ICI {'data': 1, 'fsdp': 2} x DCN " \
-        "{'data': 2, 'fsdp': 1} (2 granule(s))" in runs["log", mode, "2x2"]
+        "{'data': 2, 'fsdp': 1} (2 granule(s))" in runs["log", "2x2"]
     for layout in ("4", "2x2"):
-        _assert_same(runs[mode, "1"], runs[mode, layout], f"{target} {mode}: 1 device vs "
-                     f"{layout}", tols=tols)
+        _assert_same(runs["1"], runs[layout], f"{target}: 1 device vs {layout}", tols=tols)
 
 
 @pytest.mark.parametrize("devices", [1, 4])
@@ -209,7 +207,7 @@ def test_C4_a_checkpoint_written_by_2x2_resumes_on_another_mesh(runs, tmp_path, 
     """FSDP-sharded leaves written by 2 processes, read back mid-window (t = 2 of k = 4;
     `first` stores the envelope) onto 1 device and onto a 4-device data-only mesh, continue
     the straight trajectory [C3, C4, W6]."""
-    straight = runs["first", "2x2"]
+    straight = runs["2x2"]
     run = tmp_path / "resumed"
     shutil.copytree(straight, run)
     os.remove(run / "summary.json")
