@@ -10,7 +10,7 @@ def test_bench_step_reports_step_time_and_host_overhead(capsys):
     assert cli.run(["bench", "step", *TINY, "--n_steps=5"]) == 0
     out = capsys.readouterr().out
     for key in ("compile_s", "step_median_ms", "device_only_step_ms", "host_overhead_share",
-                "steps_per_s", "peak_rss_mb"):
+                "steps_per_s", "peak_rss_mb", "ci_fn_ms", "ci_fn_share"):
         assert key in out
 
 
