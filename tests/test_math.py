@@ -444,6 +444,23 @@ def test_S5_per_component_ci_mlp_and_its_chunked_backward_match_the_formula(lead
         assert component_mlp.chunk_rows(4096, C * h) < 4096 / 2
 
 
+@pytest.mark.parametrize("rows,k", [(4096, 408), (2048, 80), (97, 8), (5000, 512), (1, 8)])
+def test_S5_ci_mlp_live_row_chunks_are_the_nonzero_rows_in_order(rows, k):
+    """The chunk index table of the zero-row skip: the rows with any nonzero input, in row
+    order, padded with `rows`, and the count of chunks holding them, for live fractions from
+    none to all (its prefix count is two triangular matmuls, not a cumsum)."""
+    for p_live in (0.0, 0.05, 0.23, 0.63, 1.0):
+        live = np.random.default_rng(rows).random(rows) < p_live
+        a = jnp.asarray(np.where(live[:, None], 1.0, 0.0) * np.ones((rows, 3)), jnp.float32)
+        idx, n_live, got_live = jax.jit(component_mlp._live_chunks, static_argnums=1)(a, k)
+        n = -(-rows // k)
+        want = np.full(n * k, rows)
+        want[:live.sum()] = np.flatnonzero(live)
+        np.testing.assert_array_equal(np.asarray(idx).reshape(-1), want)
+        assert int(n_live) == -(-int(live.sum()) // k)
+        np.testing.assert_array_equal(got_live, live)
+
+
 @pytest.mark.parametrize("n_layers", [1, 2])
 def test_S2_resid_mlp_factored_residual_equals_the_dense_forward(n_layers):
     """ResidMLP keeps its residual stream factored (targets/lowrank.py); clean, masked (mask,
@@ -527,3 +544,23 @@ def test_R1_rng_draws_are_bit_identical_to_jax_random(shape):
             np.testing.assert_array_equal(ours(key, shape), want)
         rbg = jax.random.key(0, impl="rbg")
         np.testing.assert_array_equal(ours(rbg, shape), theirs(rbg, shape))
+
+
+def test_R1_toy_data_is_bit_identical_to_jax_random():
+    """The toy batches drawn with rng.uniform are JAX's split / bernoulli / uniform draws bit
+    for bit (TMS's [0, 1) and ResidMLP's [-1, 1) values), so the switch changed no batch."""
+    from ppgd_tpu.data.toy import sparse_features
+
+    def jax_features(key, batch, n, p, lo, hi):
+        k_on, k_val = jax.random.split(key)
+        on = jax.random.bernoulli(k_on, p, (batch, n))
+        return jnp.where(on, jax.random.uniform(k_val, (batch, n), minval=lo, maxval=hi), 0.0)
+
+    for seed in range(3):
+        for args in ((4096, 5, 0.05, 0.0, 1.0), (2048, 100, 0.01, -1.0, 1.0),
+                     (64, 7, 0.5, 0.3, 1.7)):
+            key = jax.random.key(seed)
+            ours = jax.jit(sparse_features, static_argnums=(1, 2, 3, 4, 5))(key, *args)
+            assert 0 < int(jnp.sum(ours != 0)) < ours.size
+            np.testing.assert_array_equal(
+                ours, jax.jit(jax_features, static_argnums=(1, 2, 3, 4, 5))(key, *args))
