@@ -10,15 +10,18 @@ import jax
 import jax.numpy as jnp
 
 from ppgd_tpu.config import Config, ConfigError
+from ppgd_tpu.decomp import rng
 
 DATA_TAG = 0x5EED  # fold_in index separating data draws from training draws
 EVAL_TAG = 0xE7A1  # fold_in index of eval draws (the eval batch, the eval masks)
 
 
 def sparse_features(key, batch: int, n: int, p: float, lo: float, hi: float):
+    """jax.random's `bernoulli(k_on, p)` and `uniform(k_val, lo, hi)` bit for bit, drawn by
+    `rng`'s cheaper threefry [R1]."""
     k_on, k_val = jax.random.split(key)
-    on = jax.random.bernoulli(k_on, p, (batch, n))
-    val = jax.random.uniform(k_val, (batch, n), minval=lo, maxval=hi)
+    on = rng.uniform(k_on, (batch, n)) < p
+    val = rng.uniform(k_val, (batch, n), minval=lo, maxval=hi)
     return jnp.where(on, val, 0.0)
 
 
