@@ -235,9 +235,10 @@ def run(argv: list[str]) -> int:
 
 
 def main() -> None:
-    from ppgd_tpu import cpu_runtime
+    from ppgd_tpu import cache, cpu_runtime
 
     cpu_runtime.keep_step_buffers()
+    cache.enable_compile_cache()
     logging.set_verbosity(logging.INFO)
     logging.use_absl_handler()
     sys.exit(run(sys.argv[1:]))

@@ -23,6 +23,7 @@ import equinox as eqx
 from absl import logging
 from safetensors.numpy import load_file, save_file
 
+from ppgd_tpu import cache
 from ppgd_tpu.config import ConfigError, TargetConfig, to_dict
 from ppgd_tpu.targets import llama_simple_mlp, resid_mlp, tms
 from ppgd_tpu.targets.base import Target
@@ -43,8 +44,7 @@ def cache_path(cfg: TargetConfig) -> str:
     sub = getattr(cfg, cfg.kind)
     blob = json.dumps({"kind": cfg.kind, "seed": cfg.seed, cfg.kind: to_dict(sub)}, sort_keys=True)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
-    root = os.environ.get("PPGD_TPU_CACHE", os.path.expanduser("~/.cache/ppgd_tpu"))
-    return os.path.join(root, "targets", f"{cfg.kind}-{digest}.safetensors")
+    return os.path.join(cache.root(), "targets", f"{cfg.kind}-{digest}.safetensors")
 
 
 def pretrain(cfg: TargetConfig) -> Target:

@@ -1,0 +1,62 @@
+"""The user's ppgd_tpu cache (`$PPGD_TPU_CACHE`, default ~/.cache/ppgd_tpu): the trained toy
+targets (targets/build.py) and the persistent XLA compile cache of `ppgd-tpu` runs (JAX's
+own, as MaxText and levanter enable it): a second run of a config loads its programs
+instead of compiling them again.
+
+Measured on the TMS 5-2 ref config (20 steps, its evals and figures): 29 s cold, 13 s with
+the cache warm; JAX's default threshold (cache only compiles over 1 s) kept 21 s, so every
+program is cached. Entries are ~10 KiB for toys.
+
+Where: `$PPGD_TPU_COMPILE_CACHE` if it is a path, else `<root>/xla/<machine>`. `<machine>`
+fingerprints jaxlib's version and the host CPU's model and
+features: an XLA:CPU executable compiled for one instruction set must never be loaded on a
+host without it (a home directory shared over NFS). `PPGD_TPU_COMPILE_CACHE=off` turns it
+off; a cache the user configured for JAX (JAX_COMPILATION_CACHE_DIR or jax.config) wins.
+Set by the `ppgd-tpu` entry point only, like the allocator setting (cpu_runtime): the
+Python API and the tests leave JAX's configuration alone. A cached program is the compiled
+program, so it changes no result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+
+MAX_BYTES = 1 << 30  # JAX evicts least recently used entries beyond this
+OFF = ("off", "0", "false", "no")
+
+
+def root(env=os.environ) -> str:
+    return env.get("PPGD_TPU_CACHE", os.path.expanduser("~/.cache/ppgd_tpu"))
+
+
+def machine_fingerprint() -> str:
+    """jaxlib version, architecture, CPU model and feature flags, hashed."""
+    import jaxlib.version
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = "".join(sorted({line for line in fh if line.startswith(("model name", "flags"))}))
+    except OSError:
+        cpu = platform.processor()
+    blob = "\n".join([jaxlib.version.__version__, platform.machine(), cpu])
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def enable_compile_cache(env=os.environ) -> str | None:
+    """Points JAX's persistent cache at the run cache (see the module doc); returns the
+    directory in use, or None when it is off."""
+    import jax
+
+    setting = env.get("PPGD_TPU_COMPILE_CACHE", "")
+    if setting.lower() in OFF:
+        return None
+    if env.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        return env.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir
+    path = setting or os.path.join(root(env), "xla", machine_fingerprint())
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    return path
