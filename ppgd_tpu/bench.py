@@ -9,7 +9,7 @@
   leaves shrink with the device count, replicated ones do not. `--timing=false` reports
   the state memory alone (no step is compiled or timed).
 - `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
-  a subprocess, plus its peak RSS.
+  a subprocess, plus its peak RSS; a first run (empty compile cache) or a repeat run.
 - `replay`: the full step vs the repeat step (their ratio), and the per-step time of whole
   replay windows in each CI-update mode relative to `every`.
 - `ckpt`: per checkpoint, the time the loop blocks, the background write + commit time, the
@@ -222,20 +222,41 @@ def bench_replay(args: list[str]) -> int:
 
 
 def bench_run(args: list[str]) -> int:
-    cfg, extra = cli.parse_config_args(args, {"run_dir": ("", "run dir (default: a temp dir)")})
+    """`--compile_cache=cold` (default) times a first run (a fresh, empty compile cache);
+    `warm` a repeat run (one untimed run fills a fresh cache first); `off` runs without one."""
+    cfg, extra = cli.parse_config_args(args, {
+        "run_dir": ("", "run dir (default: a temp dir)"),
+        "compile_cache": ("cold", "cold: first run; warm: a repeat run; off: no cache")})
+    mode = extra["compile_cache"]
+    if mode not in ("cold", "warm", "off"):
+        raise cli.UsageError(f"bench run: --compile_cache={mode!r}; use cold, warm or off")
     run_dir = extra["run_dir"] or tempfile.mkdtemp(prefix="ppgd-bench-run-")
-    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
-           "--log.progress=false", *[a for a in args if not a.startswith("--run_dir")]]
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - t
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        return proc.returncode
+    own = [a for a in args if not a.startswith(("--run_dir", "--compile_cache"))]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env["PPGD_TPU_COMPILE_CACHE"] = "off" if mode == "off" else tempfile.mkdtemp(
+        prefix="ppgd-bench-xla-")
+
+    def train(run_dir):
+        cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
+               "--log.progress=false", *own]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=env)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr[-4000:])
+        return proc.returncode, time.perf_counter() - t
+
+    if mode == "warm":
+        rc, _ = train(tempfile.mkdtemp(prefix="ppgd-bench-run-fill-"))
+        if rc != 0:
+            return rc
+    rc, wall = train(run_dir)
+    if rc != 0:
+        return rc
     with open(os.path.join(run_dir, "summary.json")) as fh:
         summary = json.load(fh)
-    _print({"config": cfg.name, "steps": cfg.decomp.steps, "wall_s": wall,
-            "steps_per_s_overall": cfg.decomp.steps / wall,
+    _print({"config": cfg.name, "steps": cfg.decomp.steps, "compile_cache": mode,
+            "wall_s": wall, "steps_per_s_overall": cfg.decomp.steps / wall,
             "peak_rss_mb": _peak_rss_mb(resource.RUSAGE_CHILDREN), "run_dir": run_dir,
             **{k: v for k, v in summary.items()
                if k.startswith(("eval/recon", "eval/kl", "eval/ce"))}})

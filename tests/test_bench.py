@@ -46,3 +46,13 @@ def test_bench_step_devices_reports_the_lm_state_shrinking_with_fsdp(corpus, cap
 def test_bench_without_a_case_is_a_usage_error(capsys):
     assert cli.run(["bench"]) == 2
     assert "which benchmark" in capsys.readouterr().err
+
+
+def test_bench_run_times_a_whole_run_and_refuses_an_unknown_cache_mode(capsys, tmp_path):
+    assert cli.run(["bench", "run", *TINY, "--log.every=20", "--eval.every=20",
+                    f"--run_dir={tmp_path / 'r'}", "--compile_cache=off"]) == 0
+    report = dict(ln.split(None, 1) for ln in capsys.readouterr().out.splitlines() if ln.strip())
+    assert report["compile_cache"] == "off" and float(report["wall_s"]) > 0
+    assert (tmp_path / "r" / "summary.json").exists() and "eval/recon/ci_masked" in report
+    assert cli.run(["bench", "run", *TINY, "--compile_cache=tepid"]) == 2
+    assert "--compile_cache='tepid'; use cold, warm or off" in capsys.readouterr().err
