@@ -141,12 +141,13 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
     import matplotlib.pyplot as plt
 
     written = []
-    ci = {s: _to_host(x) for s, x in dec.ci(state.ci_fn, state.components, target,
-                                            batch).lower.items()}
+    # jitted: op by op, the CI fn compiles and dispatches hundreds of tiny programs (~3 s)
+    lower = jax.jit(lambda st, t, x: dec.ci(st.ci_fn, st.components, t, x).lower)
+    ci = {s: _to_host(x) for s, x in lower(state, target, batch).items()}
     n = len(dec.sites)
 
     if target.n_features is not None:
-        onehot = jax.device_get(one_hot_ci(dec, state, target))
+        onehot = jax.device_get(jax.jit(lambda st, t: one_hot_ci(dec, st, t))(state, target))
         fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
         for ax, s in zip(axes[0], dec.sites):
             m = np.asarray(onehot[s])
