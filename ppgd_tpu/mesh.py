@@ -333,33 +333,37 @@ def table(rows) -> str:
 # ---------------------------------------------------------------- one run's placements
 
 
-def run_templates(dec, target, batch: jax.ShapeDtypeStruct) -> tuple[dict, dict]:
+def run_templates(dec, target, batch: jax.ShapeDtypeStruct,
+                  metrics: bool = True) -> tuple[dict, dict]:
     """Shapes of every step input/output: ({group: {leaf name: struct}}, {"state", "env":
     the abstract trees}). Groups: the train state (checkpoint names), the frozen target,
-    the batch, the replay envelope and accumulator, and the step metrics."""
+    the batch, the replay envelope and accumulator, and (`metrics`) the step metrics, which
+    take a trace of the whole step to name (~1.5 s): the steps need none, their metrics are
+    replicated scalars."""
     from ppgd_tpu import resume  # resume -> replay -> step; mesh stays importable alone
 
     state = jax.eval_shape(dec.init, target)
     env = jax.eval_shape(dec.compute_ci, target, state, batch)
     acc = jax.eval_shape(lambda e: jax.tree.map(lambda x: x.astype(np.float32), e), env)
-    metrics = jax.eval_shape(dec.full, state, target, batch)[1]
-    return {
+    named = {
         "state": resume.state_leaves(state),
         "target": resume.named_leaves(target, "target"),
         "batch": {"batch": batch},
         "env": resume.named_leaves(env, "training/replay/envelope"),
         "acc": resume.named_leaves(acc, "training/replay/accumulator"),
-        "metrics": {f"metrics/{k}": v for k, v in metrics.items()},
-    }, {"state": state, "env": env}
+    }
+    if metrics:
+        named["metrics"] = {f"metrics/{k}": v
+                            for k, v in jax.eval_shape(dec.full, state, target, batch)[1].items()}
+    return named, {"state": state, "env": env}
 
 
 def step_shardings(placement: Placement, dec, target, batch: jax.ShapeDtypeStruct):
     """replay.Shardings of a run: what every step variant is jitted with."""
     from ppgd_tpu.replay import Shardings
 
-    named, trees = run_templates(dec, target, batch)
+    named, trees = run_templates(dec, target, batch, metrics=False)
     placement.names(named["acc"])  # every leaf placed, even the ones sharing a sharding
-    placement.names(named["metrics"])
     return Shardings(state=placement.tree(trees["state"], named["state"]),
                      target=placement.tree(target, named["target"]),
                      batch=placement.sharding("batch", batch.shape),
