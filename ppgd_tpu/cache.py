@@ -3,18 +3,18 @@ targets (targets/build.py) and the persistent XLA compile cache of `ppgd-tpu` ru
 own, as MaxText and levanter enable it): a second run of a config loads its programs
 instead of compiling them again.
 
-Measured on the TMS 5-2 ref config (20 steps, its evals and figures): 29 s cold, 13 s with
+Measured on the TMS 5-2 ref config (20 steps, its evals and figures): 28 s cold, 15 s with
 the cache warm; JAX's default threshold (cache only compiles over 1 s) kept 21 s, so every
 program is cached. Entries are ~10 KiB for toys.
 
-Where: `$PPGD_TPU_COMPILE_CACHE` if it is a path, else `<root>/xla/<machine>`. `<machine>`
-fingerprints jaxlib's version and the host CPU's model and
-features: an XLA:CPU executable compiled for one instruction set must never be loaded on a
-host without it (a home directory shared over NFS). `PPGD_TPU_COMPILE_CACHE=off` turns it
-off; a cache the user configured for JAX (JAX_COMPILATION_CACHE_DIR or jax.config) wins.
-Set by the `ppgd-tpu` entry point only, like the allocator setting (cpu_runtime): the
-Python API and the tests leave JAX's configuration alone. A cached program is the compiled
-program, so it changes no result.
+Where: `$PPGD_TPU_COMPILE_CACHE` if it is a path, else `<root>/xla/<machine>`, `<machine>`
+hashing jaxlib's version and the host CPU's model and features: an XLA:CPU executable
+compiled for one instruction set must never be loaded on a host without it (a home
+directory shared over NFS). `PPGD_TPU_COMPILE_CACHE=off` turns it off; a cache the user
+configured for JAX (JAX_COMPILATION_CACHE_DIR or jax.config) wins. Set by the `ppgd-tpu`
+entry point only, like the allocator setting (cpu_runtime): the Python API and the tests
+leave JAX's configuration alone. A cached program is the compiled program, so it changes no
+result.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ OFF = ("off", "0", "false", "no")
 
 
 def root(env=os.environ) -> str:
+    """The cache root: `$PPGD_TPU_CACHE`, default ~/.cache/ppgd_tpu."""
     return env.get("PPGD_TPU_CACHE", os.path.expanduser("~/.cache/ppgd_tpu"))
 
 
