@@ -546,6 +546,28 @@ def test_R1_rng_draws_are_bit_identical_to_jax_random(shape):
         np.testing.assert_array_equal(ours(rbg, shape), theirs(rbg, shape))
 
 
+def test_R1_mask_draw_is_hashed_once_however_many_fusions_read_it():
+    """A stochastic mask's draw is read by the forward, the backward and the delta channel;
+    XLA:CPU used to copy the 20-round hash into each of those fusions (and up to twice per
+    element). The compiled masked product's gradient holds as many hash rounds as the bare
+    draw does."""
+    shape = (256, 21)
+
+    def rounds(f, *args):  # each of threefry's 20 rotations is one shift-left
+        return jax.jit(f).lower(*args).compile().as_text().count("shift-left(")
+
+    def masked(key, lower, a, w):
+        src = rng.uniform(key, shape)
+        m = lower + (1.0 - lower) * src[:, :20]
+        return jnp.sum(jnp.tanh((a * m) @ w) * src[:, 20:])
+
+    key, lower, a, w = jax.random.key(1), jnp.full((256, 20), 0.3), jnp.ones((256, 20)), \
+        jnp.ones((20, 4))
+    bare = rounds(lambda k: rng.uniform(k, shape), key)
+    assert bare >= 20
+    assert rounds(jax.grad(masked, argnums=(1, 2)), key, lower, a, w) == bare
+
+
 def test_R1_toy_data_is_bit_identical_to_jax_random():
     """The toy batches drawn with rng.uniform are JAX's split / bernoulli / uniform draws bit
     for bit (TMS's [0, 1) and ResidMLP's [-1, 1) values), so the switch changed no batch."""

@@ -10,8 +10,10 @@ The stochastic masks draw B x (C + 1) uniforms per masked site and forward (TMS 
 whose carries are copied every iteration: ~1.3 ms per such draw, a third of a TMS step. The
 same hash unrolled here fuses into one elementwise loop (~0.3 ms), and because it is the same
 function of (key, flat index) the bits, hence every trajectory, are unchanged [R1]; the
-counter is the element's flat index, so a draw does not depend on how it is sharded. The toy
-batches (data/toy.py) draw their on/off and values the same way (TMS ref batch: 1.0 -> 0.19 ms).
+counter is the element's flat index, so a draw does not depend on how it is sharded. On CPU
+each draw is also materialised once (see `uniform`): XLA:CPU otherwise recomputed the hash
+in every fusion reading the mask (TMS 5-2 ref step -14%, ResidMLP -7%). The toy batches
+(data/toy.py) draw their on/off and values the same way (TMS ref batch: 1.0 -> 0.19 ms).
 Keys stay JAX's (`fold_in`, `split`): their rolled loop materialises each key, whereas an
 unrolled key hash is a cheap scalar producer that XLA fuses into every element of the draws
 consuming it (measured: TMS step 12 -> 58 ms).
@@ -21,6 +23,7 @@ Keys of another PRNG implementation, or JAX's non-partitionable threefry mode, f
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -60,14 +63,39 @@ def uniform(key, shape: tuple[int, ...], minval: float = 0.0, maxval: float = 1.
     """float32 U[minval, maxval) of `shape` from a typed threefry key;
     == jax.random.uniform(key, shape, minval=minval, maxval=maxval) (in the same jit)."""
     n = math.prod(shape)
-    if not _is_threefry(key) or n >= 2**32:
+    if not _is_threefry(key) or n >= 2**32 - 1:
         return jax.random.uniform(key, shape, minval=minval, maxval=maxval)
+    paired = jax.default_backend() == "cpu" and len(shape) > 0
+    view = (*shape[:-1], -(-shape[-1] // 2), 2) if paired else shape
     k1, k2 = jax.random.key_data(key)
-    x0, x1 = _threefry2x32(k1, k2, jnp.zeros(shape, jnp.uint32),
-                           jax.lax.iota(jnp.uint32, n).reshape(shape))
+    x0, x1 = _threefry2x32(k1, k2, jnp.zeros(view, jnp.uint32), _flat_index(shape, view))
     mantissa = ((x0 ^ x1) >> np.uint32(9)) | np.uint32(0x3F800000)  # [1, 2) as float32 bits
     unit = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0
-    if (minval, maxval) == (0.0, 1.0):
-        return jnp.maximum(0.0, unit)
     lo, hi = jnp.float32(minval), jnp.float32(maxval)
-    return jnp.maximum(lo, unit * (hi - lo) + lo)
+    out = jnp.maximum(0.0, unit) if (minval, maxval) == (0.0, 1.0) else jnp.maximum(
+        lo, unit * (hi - lo) + lo)
+    if not paired:
+        return out
+    # Computed once: XLA:CPU copies an elementwise producer into every consumer fusion (and
+    # drops optimization_barrier before fusing), so a stochastic mask read by the forward, the
+    # backward and the delta channel was hashed again in each, up to twice per element. A
+    # dot's output is never copied; over pairs (a 1-wide dot becomes a multiply) with the
+    # identity it is exact (x·1 + 0). Hashing in the pair layout keeps the index math free of
+    # divisions; the leading axes, hence any sharding, stay as they are.
+    out = jnp.matmul(out, jnp.eye(2, dtype=out.dtype), precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(*shape[:-1], 2 * view[-2])[..., :shape[-1]]
+
+
+def _flat_index(shape, view):
+    """uint32 [*view]: each element's row-major flat index in `shape` (threefry's counter);
+    `view` is `shape` or its last axis as [ceil(d / 2), 2] pairs (a padded tail element gets
+    index n, hashed and dropped)."""
+    iota = functools.partial(jax.lax.broadcasted_iota, jnp.uint32, view)
+    paired = len(view) > len(shape)
+    idx = iota(len(view) - 2) * np.uint32(2) + iota(len(view) - 1) if paired \
+        else iota(len(shape) - 1) if shape else jnp.zeros((), jnp.uint32)
+    stride = 1
+    for ax in range(len(shape) - 1, 0, -1):
+        stride *= shape[ax]
+        idx = idx + iota(ax - 1) * np.uint32(stride)
+    return idx
