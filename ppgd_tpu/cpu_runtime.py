@@ -9,10 +9,13 @@ step` on the toy configs.
 - XLA:CPU's YNN reduction fusions take only materialised operands, so every elementwise
   producer of a reduction (the per-component CI MLP's [B, C, h] hidden layer) is written to
   memory first; without them XLA fuses producer and reduction (-20% CPU time on TMS 5-2).
+  Its single dots are slower than XLA:CPU's own (Eigen) on the toys' skinny matmuls
+  ([4096, 5] x [5, 20]: ~40 of them a TMS step): without them the TMS 5-2 ref step is
+  15-25% faster, ResidMLP-1 ~4%, the LM demo the same (A/B in alternating processes).
 
-The XLA flag changes how sums are fused, hence float results: it is set when `ppgd_tpu` is
-imported (before JAX creates its backends), so the CLI, the Python API and tests compile the
-same programs and resume bitwise [C3]. The allocator setting changes no result and is made
+The XLA flag changes how sums are fused and dots computed, hence float results: it is set
+when `ppgd_tpu` is imported (before JAX creates its backends), so the CLI, the Python API and
+tests compile the same programs and resume bitwise [C3]. The allocator setting changes no result and is made
 by the `ppgd-tpu` entry point only. Both are skipped when the user set them (MALLOC_*
 variables; the flag in XLA_FLAGS); the flag also on hosts with an accelerator plugin, where
 JAX does not compute on CPU.
@@ -30,7 +33,7 @@ import warnings
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 KEEP_BELOW = 1 << 30  # blocks under 1 GiB stay in the heap; larger ones are mmapped
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
-XLA_CPU_FLAGS = (f"{YNN_FLAG}=-reduce",)
+XLA_CPU_FLAGS = (f"{YNN_FLAG}=-reduce,-individual_dot",)
 
 
 def keep_step_buffers() -> bool:
