@@ -45,10 +45,14 @@ def imp_min(upper: dict[str, jax.Array], cfg: ImpMinConfig, p, gamma):
 
 
 def mask_from_source(lower, source, use_delta: bool) -> SiteMask:
-    """SPEC 1: mask = lower + (1 - lower) * source[..., :C]; delta mask = source[..., C] raw."""
+    """SPEC 1: mask = lower + (1 - lower) * source[..., :C]; delta mask = source[..., C] raw.
+
+    One split, not two slices: the gradient w.r.t. the source (the adversary's) is then one
+    concatenate instead of two zero-padded copies and their sum."""
     C = lower.shape[-1]
-    mask = lower + (1.0 - lower) * source[..., :C]
-    return SiteMask(mask=mask, delta=source[..., C] if use_delta else None)
+    src, delta = jnp.split(source, [C], axis=-1)
+    mask = lower + (1.0 - lower) * src
+    return SiteMask(mask=mask, delta=delta[..., 0] if use_delta else None)
 
 
 def uniform_k_routes(key, leading: tuple[int, ...], n_live: int) -> jax.Array:
