@@ -15,10 +15,10 @@ step` on the toy configs.
 
 The XLA flag changes how sums are fused and dots computed, hence float results: it is set
 when `ppgd_tpu` is imported (before JAX creates its backends), so the CLI, the Python API and
-tests compile the same programs and resume bitwise [C3]. The allocator setting changes no result and is made
-by the `ppgd-tpu` entry point only. Both are skipped when the user set them (MALLOC_*
-variables; the flag in XLA_FLAGS); the flag also on hosts with an accelerator plugin, where
-JAX does not compute on CPU.
+tests compile the same programs and resume bitwise [C3]. The allocator setting changes no
+result and is made by the `ppgd-tpu` entry point only. Both are skipped when the user set them
+(MALLOC_* variables; the flag in XLA_FLAGS); the flag also on hosts with an accelerator
+plugin, where JAX does not compute on CPU.
 """
 
 from __future__ import annotations

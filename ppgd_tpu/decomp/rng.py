@@ -88,12 +88,15 @@ def uniform(key, shape: tuple[int, ...], minval: float = 0.0, maxval: float = 1.
 
 def _flat_index(shape, view):
     """uint32 [*view]: each element's row-major flat index in `shape` (threefry's counter);
-    `view` is `shape` or its last axis as [ceil(d / 2), 2] pairs (a padded tail element gets
-    index n, hashed and dropped)."""
+    `view` is `shape` or its last axis as [ceil(d / 2), 2] pairs (with d odd, a row's padded
+    tail element gets the next row's first index: hashed, then dropped)."""
+    if not shape:
+        return jnp.zeros((), jnp.uint32)
     iota = functools.partial(jax.lax.broadcasted_iota, jnp.uint32, view)
-    paired = len(view) > len(shape)
-    idx = iota(len(view) - 2) * np.uint32(2) + iota(len(view) - 1) if paired \
-        else iota(len(shape) - 1) if shape else jnp.zeros((), jnp.uint32)
+    if len(view) > len(shape):  # pairs: index along the last axis = 2 * pair + slot
+        idx = iota(len(view) - 2) * np.uint32(2) + iota(len(view) - 1)
+    else:
+        idx = iota(len(shape) - 1)
     stride = 1
     for ax in range(len(shape) - 1, 0, -1):
         stride *= shape[ax]
