@@ -21,6 +21,7 @@ from ppgd_tpu.config import Config
 from ppgd_tpu.decomp import adversary as adv_lib
 from ppgd_tpu.decomp import ci_fn as ci_lib
 from ppgd_tpu.decomp import components as comp_lib
+from ppgd_tpu.decomp import live_rows as live_lib
 from ppgd_tpu.decomp import losses
 from ppgd_tpu.decomp.schedules import adamw, apply_update, clip_by_global_norm, global_norm, \
     schedule_value
@@ -70,6 +71,9 @@ class Decomposer:
         self.plans = {n: losses.stochastic_plan(t, self.sites)
                       for n, t in cfg.loss.stochastic.items()}
         self.run_key = lambda: jax.random.key(cfg.seed)
+        # live_rows.py: on CPU a position-less target's recon forwards skip all-zero rows.
+        self.skip_dead_rows = (jax.default_backend() == "cpu" and len(self.leading) == 1
+                               and len(live_lib.sizes(self.leading[0])) > 1)
 
     # ------------------------------------------------------------ state
 
@@ -108,26 +112,38 @@ class Decomposer:
         taps = target.read_activations(batch, ci_fn.input_names)
         return ci_lib.ci_from_logits(ci_fn(taps, components))
 
-    def recon(self, target: Target, batch, components, masks: dict[str, SiteMask | MaskThunk], clean):
-        """One masked forward in compute dtype against the clean output; fp32 divergence."""
-        return target.divergence(target.masked_forward(batch, components, masks), clean)
+    def live_rows(self, target: Target, batch) -> live_lib.LiveRows | None:
+        """The rows a step's recon forwards must run on (live_rows.py); None: all of them."""
+        if not self.skip_dead_rows:
+            return None
+        return live_lib.find(target.read_activations(batch, self.sites), self.leading[0])
 
-    def ppgd_masks(self, lower, sources) -> dict[str, MaskThunk]:
+    def recon(self, target: Target, batch, components, masks: dict[str, SiteMask | MaskThunk],
+              clean, rows: live_lib.Subset | None = None):
+        """One masked forward in compute dtype against the clean output; fp32 divergence.
+        With `rows`, batch, clean and masks hold those rows: their share of the batch mean."""
+        div = target.divergence(target.masked_forward(batch, components, masks), clean)
+        return div if rows is None else div * rows.scale
+
+    def ppgd_masks(self, lower, sources, rows: live_lib.Subset | None = None
+                   ) -> dict[str, MaskThunk]:
         """[S12] all sites live, routed everywhere, masks from the adversary's sources (built
-        at each site inside the forward)."""
+        at each site inside the forward); on `rows` when given."""
         use_delta = self.cfg.decomp.use_delta
+        if rows is not None:
+            lower, sources = rows.take((lower, sources))
         return {s: functools.partial(losses.mask_from_source, lower[s], sources[s], use_delta)
                 for s in self.sites}
 
-    def _losses(self, key, step, target, batch, clean, components, sources, env: Envelope):
+    def _losses(self, key, step, target, batch, clean, rows, components, sources, env: Envelope):
         """Total loss and its parts as a function of (components, sources, envelope)."""
         cfg = self.cfg
         weights = target.site_weights()
         comps_c = _cast(components, self.dtype)
-        lower = env.lower
+        lower = env.lower if rows is None else rows.take(env.lower)
 
         def recon(masks, comps=comps_c):
-            return self.recon(target, batch, comps, masks, clean)
+            return self.recon(target, batch, comps, masks, clean, rows)
 
         parts = {"faithfulness": comp_lib.faithfulness(components, weights)}
         p = schedule_value(cfg.loss.imp_min.p, step, self.steps)
@@ -138,18 +154,18 @@ class Decomposer:
         for i, (name, term) in enumerate(cfg.loss.stochastic.items()):
             k = jax.random.fold_in(key, _STOCHASTIC + i)
             parts[name] = losses.stochastic_recon(k, term, self.plans[name], lower, recon,
-                                                  cfg.decomp.use_delta)
+                                                  cfg.decomp.use_delta, rows)
             total = total + term.coeff * parts[name]
         for name, term in cfg.loss.persistent_pgd.items():
-            parts[name] = recon(self.ppgd_masks(lower, sources[name]))
+            parts[name] = recon(self.ppgd_masks(env.lower, sources[name], rows))
             total = total + term.coeff * parts[name]
         for i, (name, term) in enumerate(cfg.loss.fresh_pgd.items()):
             k = jax.random.fold_in(key, _FRESH + i)
-            frozen = jax.lax.stop_gradient((comps_c, lower))
+            frozen = jax.lax.stop_gradient((comps_c, env.lower))
             src = adv_lib.sign_pgd(
                 k, term.scope, self.leading, self.C, term.n_steps, term.step_size,
-                lambda s: recon(self.ppgd_masks(frozen[1], s), frozen[0]))
-            parts[name] = recon(self.ppgd_masks(lower, src))
+                lambda s: recon(self.ppgd_masks(frozen[1], s, rows), frozen[0]))
+            parts[name] = recon(self.ppgd_masks(env.lower, src, rows))
             total = total + term.coeff * parts[name]
         parts["total"] = total
         return total, parts
@@ -168,6 +184,29 @@ class Decomposer:
             return jax.vjp(envelope_of, state.ci_fn, state.components)
         env, vjp = jax.vjp(lambda f: envelope_of(f, state.components), state.ci_fn)
         return env, lambda g: (vjp(g)[0], None)
+
+    def _recon_part(self, state: TrainState, env: Envelope, key, target, batch, clean,
+                    rows: live_lib.Subset | None):
+        """The warmup ascents, then the losses and their gradient w.r.t. (components,
+        sources, envelope): everything that runs masked forwards, on `rows` (None: all)."""
+        step = state.step
+        if rows is not None:
+            batch, clean = rows.take((batch, clean))
+        # [S24] warmup ascents against the all-sites route-all forward, comps and CI detached.
+        advs = dict(state.adversaries)
+        frozen = jax.lax.stop_gradient((_cast(state.components, self.dtype), env.lower))
+        for name, term in self.cfg.loss.persistent_pgd.items():
+            lr = schedule_value(term.lr, step, self.steps)
+            obj = lambda s: self.recon(target, batch, frozen[0],
+                                       self.ppgd_masks(frozen[1], s, rows), clean, rows)
+            for _ in range(term.n_warmup):
+                advs[name] = adv_lib.ascend(advs[name], jax.grad(obj)(advs[name].sources), term, lr)
+
+        sources = {n: a.sources for n, a in advs.items()}
+        loss = lambda c, s, e: self._losses(key, step, target, batch, clean, rows, c, s, e)
+        (_, parts), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+            state.components, sources, env)
+        return advs, parts, grads
 
     def _step(self, state: TrainState, target: Target, batch, env: Envelope | None,
               acc: Envelope | None = None, update_ci_from_acc: bool = False):
@@ -188,21 +227,11 @@ class Decomposer:
         if env is None:
             env, ci_vjp = self._envelope_vjp(state, target, batch)
 
-        # [S24] warmup ascents against the all-sites route-all forward, comps and CI detached.
-        advs = dict(state.adversaries)
-        frozen = jax.lax.stop_gradient((_cast(state.components, self.dtype), env.lower))
-        for name, term in cfg.loss.persistent_pgd.items():
-            lr = schedule_value(term.lr, step, self.steps)
-            obj = lambda s: self.recon(target_c, batch_c, frozen[0],
-                                       self.ppgd_masks(frozen[1], s), clean)
-            for _ in range(term.n_warmup):
-                advs[name] = adv_lib.ascend(advs[name], jax.grad(obj)(advs[name].sources), term, lr)
-
-        sources = {n: a.sources for n, a in advs.items()}
-        loss = lambda c, s, e: self._losses(key, step, target_c, batch_c, clean, c, s, e)
-        (_, parts), (g_comp, g_src, g_env) = jax.value_and_grad(loss, argnums=(0, 1, 2),
-                                                                has_aux=True)(
-            state.components, sources, env)
+        recon_part = functools.partial(self._recon_part, state, env, key, target_c, batch_c,
+                                       clean)
+        live = self.live_rows(target_c, batch_c)
+        advs, parts, (g_comp, g_src, g_env) = (
+            recon_part(None) if live is None else live_lib.switch(live, recon_part))
 
         # [S13, S14] final ascent from the same backward, grad / coeff, before any update.
         for name, term in cfg.loss.persistent_pgd.items():

@@ -586,3 +586,72 @@ def test_R1_toy_data_is_bit_identical_to_jax_random():
             assert 0 < int(jnp.sum(ours != 0)) < ours.size
             np.testing.assert_array_equal(
                 ours, jax.jit(jax_features, static_argnums=(1, 2, 3, 4, 5))(key, *args))
+
+
+# ---------------------------------------------------------------- recon on the live rows only
+
+
+@pytest.mark.parametrize("p,size", [(0.1, 1), (0.6, 3)])
+def test_S2_step_on_the_live_rows_equals_the_full_batch_step(p, size):
+    """live_rows.py: a row whose every site input is zero cannot move a recon divergence or
+    any gradient, so the step that runs its masked forwards (stochastic with uniform_k
+    routes, layerwise, persistent `bsc` with warmups and `sc`, fresh PGD) on the live rows
+    only, gathered into a quarter / half / all of the batch, is the full-batch step."""
+    from ppgd_tpu.config import FreshPGDTerm, TMSConfig
+    from ppgd_tpu.step import Decomposer
+
+    cfg = _tiny_cfg(
+        stochastic={"stochastic": StochasticTerm(routing="uniform_k"),
+                    "layerwise": StochasticTerm(plan="chunked")},
+        persistent_pgd={"bsc": PersistentPGDTerm(scope="bsc", n_warmup=2),
+                        "sc": PersistentPGDTerm(scope="sc", lr=Schedule("constant", 0.1))},
+        fresh_pgd={"fresh": FreshPGDTerm(n_steps=3, scope="bsc")})
+    t = tms.init(TMSConfig(feature_probability=p), jax.random.key(0))
+    rows = 256
+    x = t.sample(jax.random.key(5), rows)
+    live = Decomposer(cfg, t, (rows, 5))
+    full = Decomposer(cfg, t, (rows, 5))
+    full.skip_dead_rows = False
+    assert live.skip_dead_rows and full.live_rows(t, x) is None
+    assert int(live.live_rows(t, x).size) == size  # the branch this batch takes
+    state = live.init(t)
+    for _ in range(2):  # the second step starts from trained adversaries and components
+        a, ma = jax.jit(live.full)(state, t, x)
+        b, mb = jax.jit(full.full)(state, t, x)
+        for k in mb:
+            np.testing.assert_allclose(ma[k], mb[k], rtol=2e-5, atol=1e-9, err_msg=k)
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(u, v, rtol=2e-5, atol=1e-7)
+        state = b
+    assert float(mb["train/loss/layerwise"]) > 0 and float(mb["train/loss/bsc"]) > 0
+
+
+@pytest.mark.parametrize("n_live", [0, 1, 16, 17, 48, 49, 64])
+def test_live_rows_orders_live_rows_first_and_picks_the_smallest_size_holding_them(n_live):
+    from ppgd_tpu.decomp import live_rows
+    from ppgd_tpu.targets.lowrank import LowRank
+
+    rows = 64
+    assert live_rows.sizes(rows) == (16, 32, 48, 64)
+    live = np.zeros(rows, bool)
+    live[np.random.default_rng(n_live).permutation(rows)[:n_live]] = True
+    half = rows // 2
+    a = np.zeros((rows, 3), np.float32)
+    a[:half][live[:half]] = 1.0  # the first half's live rows seen by a dense tap,
+    coeffs = np.zeros((rows, 2), np.float32)
+    coeffs[half:][live[half:], 1] = -2.0  # the second half's by a factored one
+    taps = {"dense": jnp.asarray(a),
+            "factored": LowRank((jnp.asarray(coeffs),), (jnp.ones((2, 7)),))}
+    got = jax.jit(live_rows.find, static_argnums=1)(taps, rows)
+    order = np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)])
+    np.testing.assert_array_equal(got.order, order)
+    assert int(got.size) == min(i for i, k in enumerate(live_rows.sizes(rows)) if k >= n_live)
+
+
+@pytest.mark.parametrize("shape", [(50, 21), (50, 4), (50,), (6, 7, 3)])
+def test_R1_a_draw_on_some_rows_is_those_rows_of_the_full_draw(shape):
+    key = jax.random.key(3)
+    idx = jnp.asarray([0, 5, 2, shape[0] - 1, 5], jnp.int32)
+    full = jax.jit(lambda k: rng.uniform(k, shape))(key)
+    some = jax.jit(lambda k, i: rng.uniform(k, shape, rows=i))(key, idx)
+    np.testing.assert_array_equal(some, np.asarray(full)[np.asarray(idx)])

@@ -18,12 +18,11 @@ Off CPU the whole batch goes through in one chunk: accelerators fuse the pass.
 
 from __future__ import annotations
 
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ppgd_tpu.decomp.live_rows import rows_before
 
 _GELU_K0, _GELU_K1 = float(np.sqrt(2.0 / np.pi)), 0.044715
 
@@ -47,21 +46,6 @@ def chunk_rows(n_rows: int, width: int) -> int:
     return min(n_rows, max(8, CHUNK_BYTES // (4 * width) // 8 * 8))
 
 
-def _rows_before(live):
-    """Live rows before each row of `live` [rows] (an exclusive prefix count), as two small
-    triangular matmuls over a [rows / b, b] view: XLA:CPU lowers a cumsum (which
-    `jnp.nonzero` runs twice) as dozens of reduce-windows, 6% of a TMS step. 0/1 sums below
-    2**24 are exact in fp32."""
-    rows = live.shape[0]
-    b = max(8, math.ceil(math.sqrt(rows) / 8) * 8)
-    nb = -(-rows // b)
-    x = jnp.pad(live.astype(jnp.float32), (0, nb * b - rows)).reshape(nb, b)
-    dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
-    within = dot(x, jnp.triu(jnp.ones((b, b), jnp.float32), 1))  # [i, j]: live x[i, :j]
-    earlier = dot(jnp.sum(x, 1), jnp.triu(jnp.ones((nb, nb), jnp.float32), 1))
-    return (within + earlier[:, None]).reshape(-1)[:rows].astype(jnp.int32)
-
-
 def _live_chunks(a, k: int):
     """Row indices [n, k] of the rows of a [rows, C] that are not all zero, live rows first
     in row order, padded with `rows` (zero on gather, dropped on scatter); the number of
@@ -71,7 +55,7 @@ def _live_chunks(a, k: int):
         return jnp.arange(rows)[None], 1, jnp.ones((rows,), bool)
     live = jnp.any(a != 0, axis=-1)
     n = -(-rows // k)
-    before, row = _rows_before(live), jnp.arange(rows, dtype=jnp.int32)
+    before, row = rows_before(live), jnp.arange(rows, dtype=jnp.int32)
     slot = jnp.where(live, before, n * k + row)  # dead rows land out of range: dropped
     idx = jnp.full((n * k,), rows, jnp.int32).at[slot].set(row, mode="drop",
                                                           unique_indices=True)

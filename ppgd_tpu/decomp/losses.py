@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from ppgd_tpu.config import ImpMinConfig, StochasticTerm
 from ppgd_tpu.decomp import rng
+from ppgd_tpu.decomp.live_rows import Subset
 from ppgd_tpu.targets.base import MaskThunk, SiteMask
 
 
@@ -77,33 +78,42 @@ def stochastic_plan(term: StochasticTerm, sites: tuple[str, ...]) -> list[tuple[
 
 
 def stochastic_masks(key, lower: dict[str, jax.Array], live: tuple[str, ...], routing: str,
-                     use_delta: bool) -> dict[str, MaskThunk]:
+                     use_delta: bool, rows: Subset | None = None) -> dict[str, MaskThunk]:
     """Masks of one stochastic draw: fresh U[0,1] sources per site, position and channel,
     as thunks drawn inside the forward at each site (only the joint uniform_k routes, one
-    bool per site and position, are drawn up front)."""
+    bool per site and position, are drawn up front). With `rows`, `lower` holds those rows
+    and only their draws are made (the same values as theirs in the full draw)."""
     leading = next(iter(lower.values())).shape[:-1]
-    routes = uniform_k_routes(jax.random.fold_in(key, 1 << 20), leading, len(live)) \
+    full = leading if rows is None else rows.order.shape
+    routes = uniform_k_routes(jax.random.fold_in(key, 1 << 20), full, len(live)) \
         if routing == "uniform_k" else None
+    if routes is not None and rows is not None:
+        routes = routes[:, rows.rows]
     return {s: functools.partial(_stochastic_site_mask, jax.random.fold_in(key, i), lower[s],
-                                 use_delta, None if routes is None else routes[i])
+                                 use_delta, None if routes is None else routes[i], full,
+                                 None if rows is None else rows.rows)
             for i, s in enumerate(live)}
 
 
-def _stochastic_site_mask(key, lower, use_delta: bool, route) -> SiteMask:
-    src = jax.lax.optimization_barrier(rng.uniform(key, (*lower.shape[:-1], lower.shape[-1] + 1)))
-    return mask_from_source(lower, src, use_delta)._replace(route=route)
+def _stochastic_site_mask(key, lower, use_delta: bool, route, full, rows) -> SiteMask:
+    src = rng.uniform(key, (*full, lower.shape[-1] + 1), rows=rows)
+    return mask_from_source(lower, jax.lax.optimization_barrier(src), use_delta)._replace(
+        route=route)
 
 
-def stochastic_recon(key, term: StochasticTerm, plan, lower, recon_fn, use_delta: bool):
+def stochastic_recon(key, term: StochasticTerm, plan, lower, recon_fn, use_delta: bool,
+                     rows: Subset | None = None):
     """[S10] mean over ALL forwards (plan entries x draws) of the divergence.
 
-    `recon_fn(masks) -> divergence` runs one masked forward against the clean output.
+    `recon_fn(masks) -> divergence` runs one masked forward against the clean output; with
+    `rows`, `lower` and `recon_fn` are on those rows.
     """
     total = jnp.float32(0.0)
     n = 0
     for e, live in enumerate(plan):
         for d in range(term.n_draws):
             k = jax.random.fold_in(jax.random.fold_in(key, e), d)
-            total = total + recon_fn(stochastic_masks(k, lower, live, term.routing, use_delta))
+            total = total + recon_fn(stochastic_masks(k, lower, live, term.routing, use_delta,
+                                                      rows))
             n += 1
     return total / n

@@ -23,7 +23,6 @@ Keys of another PRNG implementation, or JAX's non-partitionable threefry mode, f
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -59,16 +58,21 @@ def normal(key, shape: tuple[int, ...]) -> jax.Array:
     return jax.random.normal(key, (math.prod(shape),)).reshape(shape)
 
 
-def uniform(key, shape: tuple[int, ...], minval: float = 0.0, maxval: float = 1.0) -> jax.Array:
+def uniform(key, shape: tuple[int, ...], minval: float = 0.0, maxval: float = 1.0,
+            rows: jax.Array | None = None) -> jax.Array:
     """float32 U[minval, maxval) of `shape` from a typed threefry key;
-    == jax.random.uniform(key, shape, minval=minval, maxval=maxval) (in the same jit)."""
+    == jax.random.uniform(key, shape, minval=minval, maxval=maxval) (in the same jit).
+    With `rows` (int [k]) only those indices of the first axis are drawn: == uniform(...)[rows]."""
     n = math.prod(shape)
     if not _is_threefry(key) or n >= 2**32 - 1:
-        return jax.random.uniform(key, shape, minval=minval, maxval=maxval)
-    paired = jax.default_backend() == "cpu" and len(shape) > 0
-    view = (*shape[:-1], -(-shape[-1] // 2), 2) if paired else shape
+        out = jax.random.uniform(key, shape, minval=minval, maxval=maxval)
+        return out if rows is None else out[rows]
+    out_shape = shape if rows is None else (rows.shape[0], *shape[1:])
+    # (with `rows` on a 1-D draw the pairs would straddle the picked elements: not paired)
+    paired = jax.default_backend() == "cpu" and len(shape) > (0 if rows is None else 1)
+    view = (*out_shape[:-1], -(-shape[-1] // 2), 2) if paired else out_shape
     k1, k2 = jax.random.key_data(key)
-    x0, x1 = _threefry2x32(k1, k2, jnp.zeros(view, jnp.uint32), _flat_index(shape, view))
+    x0, x1 = _threefry2x32(k1, k2, jnp.zeros(view, jnp.uint32), _flat_index(shape, view, rows))
     mantissa = ((x0 ^ x1) >> np.uint32(9)) | np.uint32(0x3F800000)  # [1, 2) as float32 bits
     unit = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0
     lo, hi = jnp.float32(minval), jnp.float32(maxval)
@@ -83,16 +87,23 @@ def uniform(key, shape: tuple[int, ...], minval: float = 0.0, maxval: float = 1.
     # identity it is exact (x·1 + 0). Hashing in the pair layout keeps the index math free of
     # divisions; the leading axes, hence any sharding, stay as they are.
     out = jnp.matmul(out, jnp.eye(2, dtype=out.dtype), precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(*shape[:-1], 2 * view[-2])[..., :shape[-1]]
+    return out.reshape(*out_shape[:-1], 2 * view[-2])[..., :shape[-1]]
 
 
-def _flat_index(shape, view):
+def _flat_index(shape, view, rows=None):
     """uint32 [*view]: each element's row-major flat index in `shape` (threefry's counter);
     `view` is `shape` or its last axis as [ceil(d / 2), 2] pairs (with d odd, a row's padded
-    tail element gets the next row's first index: hashed, then dropped)."""
+    tail element gets the next row's first index: hashed, then dropped), its first axis
+    `rows` (the indices it holds) when given."""
     if not shape:
         return jnp.zeros((), jnp.uint32)
-    iota = functools.partial(jax.lax.broadcasted_iota, jnp.uint32, view)
+
+    def iota(ax):
+        if ax == 0 and rows is not None:
+            return jnp.broadcast_to(rows.astype(jnp.uint32).reshape(-1, *[1] * (len(view) - 1)),
+                                    view)
+        return jax.lax.broadcasted_iota(jnp.uint32, view, ax)
+
     if len(view) > len(shape):  # pairs: index along the last axis = 2 * pair + slot
         idx = iota(len(view) - 2) * np.uint32(2) + iota(len(view) - 1)
     else:
