@@ -72,8 +72,9 @@ class Decomposer:
                       for n, t in cfg.loss.stochastic.items()}
         self.run_key = lambda: jax.random.key(cfg.seed)
         # live_rows.py: on CPU a position-less target's recon forwards skip all-zero rows.
+        self.live_sizes = live_lib.sizes(self.leading[0], target.live_row_probability)
         self.skip_dead_rows = (jax.default_backend() == "cpu" and len(self.leading) == 1
-                               and len(live_lib.sizes(self.leading[0])) > 1)
+                               and len(self.live_sizes) > 1)
 
     # ------------------------------------------------------------ state
 
@@ -116,7 +117,7 @@ class Decomposer:
         """The rows a step's recon forwards must run on (live_rows.py); None: all of them."""
         if not self.skip_dead_rows:
             return None
-        return live_lib.find(target.read_activations(batch, self.sites), self.leading[0])
+        return live_lib.find(target.read_activations(batch, self.sites), self.live_sizes)
 
     def recon(self, target: Target, batch, components, masks: dict[str, SiteMask | MaskThunk],
               clean, rows: live_lib.Subset | None = None):
@@ -231,7 +232,7 @@ class Decomposer:
                                        clean)
         live = self.live_rows(target_c, batch_c)
         advs, parts, (g_comp, g_src, g_env) = (
-            recon_part(None) if live is None else live_lib.switch(live, recon_part))
+            recon_part(None) if live is None else live_lib.switch(live, self.live_sizes, recon_part))
 
         # [S13, S14] final ascent from the same backward, grad / coeff, before any update.
         for name, term in cfg.loss.persistent_pgd.items():

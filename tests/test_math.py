@@ -591,12 +591,13 @@ def test_R1_toy_data_is_bit_identical_to_jax_random():
 # ---------------------------------------------------------------- recon on the live rows only
 
 
-@pytest.mark.parametrize("p,size", [(0.1, 1), (0.6, 3)])
-def test_S2_step_on_the_live_rows_equals_the_full_batch_step(p, size):
+@pytest.mark.parametrize("data_p,size", [(0.05, 0), (0.6, 1)])
+def test_S2_step_on_the_live_rows_equals_the_full_batch_step(data_p, size):
     """live_rows.py: a row whose every site input is zero cannot move a recon divergence or
     any gradient, so the step that runs its masked forwards (stochastic with uniform_k
     routes, layerwise, persistent `bsc` with warmups and `sc`, fresh PGD) on the live rows
-    only, gathered into a quarter / half / all of the batch, is the full-batch step."""
+    only is the full-batch step. The target declares feature_probability 0.05 (rows: 256,
+    gathered: 104); data drawn at 0.6 has more live rows and takes the full-batch branch."""
     from ppgd_tpu.config import FreshPGDTerm, TMSConfig
     from ppgd_tpu.step import Decomposer
 
@@ -606,13 +607,14 @@ def test_S2_step_on_the_live_rows_equals_the_full_batch_step(p, size):
         persistent_pgd={"bsc": PersistentPGDTerm(scope="bsc", n_warmup=2),
                         "sc": PersistentPGDTerm(scope="sc", lr=Schedule("constant", 0.1))},
         fresh_pgd={"fresh": FreshPGDTerm(n_steps=3, scope="bsc")})
-    t = tms.init(TMSConfig(feature_probability=p), jax.random.key(0))
+    t = tms.init(TMSConfig(feature_probability=0.05), jax.random.key(0))
     rows = 256
-    x = t.sample(jax.random.key(5), rows)
+    x = dataclasses.replace(t, feature_probability=data_p).sample(jax.random.key(5), rows)
     live = Decomposer(cfg, t, (rows, 5))
     full = Decomposer(cfg, t, (rows, 5))
     full.skip_dead_rows = False
-    assert live.skip_dead_rows and full.live_rows(t, x) is None
+    assert live.live_sizes == (104, rows) and live.skip_dead_rows
+    assert full.live_rows(t, x) is None
     assert int(live.live_rows(t, x).size) == size  # the branch this batch takes
     state = live.init(t)
     for _ in range(2):  # the second step starts from trained adversaries and components
@@ -626,13 +628,21 @@ def test_S2_step_on_the_live_rows_equals_the_full_batch_step(p, size):
     assert float(mb["train/loss/layerwise"]) > 0 and float(mb["train/loss/bsc"]) > 0
 
 
+def test_live_row_sizes_bound_the_live_rows_of_a_toy_batch():
+    from ppgd_tpu.decomp import live_rows
+
+    assert live_rows.sizes(4096, 1 - 0.95 ** 5) == (1088, 4096)  # TMS 5-2: 926 +- 27 live
+    assert live_rows.sizes(2048, 1 - 0.99 ** 100) == (2048,)  # ResidMLP: 1298 +- 22 live
+    assert live_rows.sizes(64, 0.99) == (64,)  # nothing to save: no extra branch
+    assert live_rows.sizes(64, None) == (64,)  # unknown (LMs): no extra branch
+
+
 @pytest.mark.parametrize("n_live", [0, 1, 16, 17, 48, 49, 64])
 def test_live_rows_orders_live_rows_first_and_picks_the_smallest_size_holding_them(n_live):
     from ppgd_tpu.decomp import live_rows
     from ppgd_tpu.targets.lowrank import LowRank
 
-    rows = 64
-    assert live_rows.sizes(rows) == (16, 32, 48, 64)
+    rows, sizes = 64, (16, 32, 48, 64)
     live = np.zeros(rows, bool)
     live[np.random.default_rng(n_live).permutation(rows)[:n_live]] = True
     half = rows // 2
@@ -642,10 +652,10 @@ def test_live_rows_orders_live_rows_first_and_picks_the_smallest_size_holding_th
     coeffs[half:][live[half:], 1] = -2.0  # the second half's by a factored one
     taps = {"dense": jnp.asarray(a),
             "factored": LowRank((jnp.asarray(coeffs),), (jnp.ones((2, 7)),))}
-    got = jax.jit(live_rows.find, static_argnums=1)(taps, rows)
+    got = jax.jit(live_rows.find, static_argnums=1)(taps, sizes)
     order = np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)])
     np.testing.assert_array_equal(got.order, order)
-    assert int(got.size) == min(i for i, k in enumerate(live_rows.sizes(rows)) if k >= n_live)
+    assert int(got.size) == min(i for i, k in enumerate(sizes) if k >= n_live)
 
 
 @pytest.mark.parametrize("shape", [(50, 21), (50, 4), (50,), (6, 7, 3)])

@@ -123,6 +123,13 @@ class Target(eqx.Module):
         return None
 
     @property
+    def live_row_probability(self) -> float | None:
+        """P(a data row is not all zero): sizes the live-rows recon (decomp/live_rows.py).
+        Toys draw each of their n_features on with `feature_probability`; None: unknown."""
+        p = getattr(self, "feature_probability", None)
+        return None if p is None or self.n_features is None else 1.0 - (1.0 - p) ** self.n_features
+
+    @property
     def identity_ci_sites(self) -> tuple[str, ...]:
         """Sites whose ideal CI pattern on one-hot inputs is the identity."""
         return ()
