@@ -231,8 +231,8 @@ class Decomposer:
         recon_part = functools.partial(self._recon_part, state, env, key, target_c, batch_c,
                                        clean)
         live = self.live_rows(target_c, batch_c)
-        advs, parts, (g_comp, g_src, g_env) = (
-            recon_part(None) if live is None else live_lib.switch(live, self.live_sizes, recon_part))
+        advs, parts, (g_comp, g_src, g_env) = (recon_part(None) if live is None else
+                                               live_lib.switch(live, self.live_sizes, recon_part))
 
         # [S13, S14] final ascent from the same backward, grad / coeff, before any update.
         for name, term in cfg.loss.persistent_pgd.items():

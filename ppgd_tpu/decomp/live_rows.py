@@ -8,12 +8,11 @@ gradient at an output equal to the clean one is 0). TMS 5-2 at p = 0.05: 77% of 
 
 So on CPU the recon forwards of a position-less target run on the live rows only, gathered
 live-first into a static number of rows sized from the probability that a row is live (the
-toy's data: `Target.live_row_probability`), or the full batch when a batch has more (exact
-either way). The step picks the branch with ONE `lax.switch` around its whole recon part (warmup ascents and the loss's
-value and gradient: a switch per forward costs more in copies than the gathers save); the
-full-batch branch is exactly the un-gathered computation. The divergence, a mean over rows,
-is rescaled by k / rows: the same sum over the same live rows, reassociated.
-"""
+toy's data: `Target.live_row_probability`), or on the full batch when a batch has more. The
+step picks the branch with ONE `lax.switch` around its whole recon part (warmup ascents, the
+losses' value and gradient): a switch per forward cost more in copies than the gathers saved.
+The divergence, a mean over rows, is rescaled by k / rows: the same sum over the same live
+rows, reassociated; the full-batch branch is exactly the un-gathered computation."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from ppgd_tpu.targets.lowrank import LowRank
 
 class LiveRows(NamedTuple):
     order: jax.Array  # [rows] int32: the live rows in row order, then the others
-    size: jax.Array  # int32: index into sizes(rows) of the smallest size holding every live row
+    size: jax.Array  # int32: index of the smallest of the sizes holding every live row
 
 
 class Subset(NamedTuple):
