@@ -136,8 +136,10 @@ class Decomposer:
         return {s: functools.partial(losses.mask_from_source, lower[s], sources[s], use_delta)
                 for s in self.sites}
 
-    def _losses(self, key, step, target, batch, clean, rows, components, sources, env: Envelope):
-        """Total loss and its parts as a function of (components, sources, envelope)."""
+    def _losses(self, key, step, target, batch, clean, components, sources, env: Envelope,
+                rows: live_lib.Subset | None = None):
+        """Total loss and its parts as a function of (components, sources, envelope); the
+        recon terms on `rows` (their batch and clean output) when given."""
         cfg = self.cfg
         weights = target.site_weights()
         comps_c = _cast(components, self.dtype)
@@ -204,7 +206,7 @@ class Decomposer:
                 advs[name] = adv_lib.ascend(advs[name], jax.grad(obj)(advs[name].sources), term, lr)
 
         sources = {n: a.sources for n, a in advs.items()}
-        loss = lambda c, s, e: self._losses(key, step, target, batch, clean, rows, c, s, e)
+        loss = lambda c, s, e: self._losses(key, step, target, batch, clean, c, s, e, rows)
         (_, parts), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
             state.components, sources, env)
         return advs, parts, grads
