@@ -3,7 +3,8 @@
 - `step`: compile time, steady-state step time (median of individually timed steps), the
   loop's step time (steps dispatched back to back, as the engine runs them), device-only
   step time (the same steps inside one jitted fori_loop), host overhead share
-  = 1 - device_only / loop, steps/s and peak RSS.
+  = 1 - device_only / loop, steps/s and peak RSS; where the step runs its recon on the
+  live rows only (decomp/live_rows.py), that step vs the same step on every row, paired.
   With `--devices 1,4` it instead runs itself once per device count (forced CPU devices in
   a subprocess) and compares the per-device memory of the placed train state: sharded
   leaves shrink with the device count, replicated ones do not. `--timing=false` reports
@@ -20,6 +21,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import resource
@@ -144,9 +146,39 @@ def bench_step(args: list[str]) -> int:
         "steps_per_s": 1.0 / loop_s,
         "peak_rss_mb": _peak_rss_mb(),
     }
+    live_rows = live_rows_ab(trainer, state, n)  # before the split, which donates `state`
     report.update(ci_fn_split(trainer, state, n))  # toys too: where the CI fn's time goes
+    report.update(live_rows)
     _print(report)
     return 0
+
+
+def live_rows_ab(trainer, state, n: int) -> dict:
+    """When the step runs its recon on the live rows (decomp/live_rows.py): that step vs the
+    same step on every row, on the same data, in rounds of 20 steps alternating which goes
+    first; the median of the per-round ratios is the number to compare (machine noise moves
+    both alike). Empty when the step runs on every row anyway."""
+    dec = trainer.dec
+    if not dec.skip_dead_rows:
+        return {}
+    every_row = copy.copy(dec)
+    every_row.skip_dead_rows = False
+    steps = {"live_rows": jax.jit(dec.full), "all_rows": jax.jit(every_row.full)}
+    states = {k: jax.block_until_ready(f(state, trainer.target, trainer.batch(0))[0])
+              for k, f in steps.items()}  # compile
+    times = {k: [] for k in steps}
+    for r in range(max(1, n // 20)):
+        for k in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            st, t = states[k], time.perf_counter()
+            for i in range(20):
+                st = steps[k](st, trainer.target, trainer.batch(i))[0]
+            states[k] = jax.block_until_ready(st)
+            times[k].append((time.perf_counter() - t) / 20)
+    ratio = np.array(times["live_rows"]) / np.array(times["all_rows"])
+    return {"live_rows_of_batch": dec.live_sizes[0],
+            "live_rows_step_ms": 1e3 * float(np.median(times["live_rows"])),
+            "all_rows_step_ms": 1e3 * float(np.median(times["all_rows"])),
+            "live_rows_ratio": float(np.median(ratio))}
 
 
 def ci_fn_split(trainer, state, n: int) -> dict:
