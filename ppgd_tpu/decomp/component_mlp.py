@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppgd_tpu.decomp.live_rows import rows_before
+from ppgd_tpu.decomp.live_rows import live_first
 
 _GELU_K0, _GELU_K1 = float(np.sqrt(2.0 / np.pi)), 0.044715
 
@@ -55,11 +55,9 @@ def _live_chunks(a, k: int):
         return jnp.arange(rows)[None], 1, jnp.ones((rows,), bool)
     live = jnp.any(a != 0, axis=-1)
     n = -(-rows // k)
-    before, row = rows_before(live), jnp.arange(rows, dtype=jnp.int32)
-    slot = jnp.where(live, before, n * k + row)  # dead rows land out of range: dropped
-    idx = jnp.full((n * k,), rows, jnp.int32).at[slot].set(row, mode="drop",
-                                                          unique_indices=True)
-    n_live = before[-1] + live[-1]
+    order, n_live = live_first(live)
+    slot = jnp.arange(n * k)
+    idx = jnp.where(slot < n_live, jnp.pad(order, (0, n * k - rows)), rows)
     return idx.reshape(n, k), (n_live + k - 1) // k, live
 
 

@@ -88,13 +88,19 @@ def find(taps: dict, sizes_: tuple[int, ...]) -> LiveRows:
     for x in taps.values():
         for a in (x.coeffs if isinstance(x, LowRank) else (x,)):
             live = live | jnp.any(a.reshape(rows, -1) != 0, axis=-1)
-    before = rows_before(live)
-    row = jnp.arange(rows, dtype=jnp.int32)
-    n_live = before[-1] + live[-1]
-    slot = jnp.where(live, before, n_live + row - before)  # the others keep their order too
-    order = jnp.zeros((rows,), jnp.int32).at[slot].set(row, unique_indices=True)
+    order, n_live = live_first(live)
     size = jnp.sum(n_live > jnp.array(sizes_[:-1], jnp.int32), dtype=jnp.int32)
     return LiveRows(order=order, size=size)
+
+
+def live_first(live):
+    """The row indices of `live` [rows] (bool), live rows first, each group in row order;
+    and the number of live rows."""
+    before = rows_before(live)
+    row = jnp.arange(live.shape[0], dtype=jnp.int32)
+    n_live = before[-1] + live[-1]
+    slot = jnp.where(live, before, n_live + row - before)
+    return jnp.zeros_like(row).at[slot].set(row, unique_indices=True), n_live
 
 
 def switch(live: LiveRows, sizes_: tuple[int, ...], fn):
