@@ -129,21 +129,23 @@ class Decomposer:
     def ppgd_masks(self, lower, sources, rows: live_lib.Subset | None = None
                    ) -> dict[str, MaskThunk]:
         """[S12] all sites live, routed everywhere, masks from the adversary's sources (built
-        at each site inside the forward); on `rows` when given."""
+        at each site inside the forward); `lower` on `rows` when given, of which the
+        (full-batch) sources are taken."""
         use_delta = self.cfg.decomp.use_delta
         if rows is not None:
-            lower, sources = rows.take((lower, sources))
+            sources = rows.take(sources)
         return {s: functools.partial(losses.mask_from_source, lower[s], sources[s], use_delta)
                 for s in self.sites}
 
     def _losses(self, key, step, target, batch, clean, components, sources, env: Envelope,
-                rows: live_lib.Subset | None = None):
+                rows: live_lib.Subset | None = None, env_on_rows: bool = False):
         """Total loss and its parts as a function of (components, sources, envelope); the
-        recon terms on `rows` (their batch and clean output) when given."""
+        recon terms on `rows` (their batch and clean output) when given. The envelope is
+        the batch's, or with `env_on_rows` that of `rows.take_and_zero_row`."""
         cfg = self.cfg
         weights = target.site_weights()
         comps_c = _cast(components, self.dtype)
-        lower = env.lower if rows is None else rows.take(env.lower)
+        lower, counts = _rows_of(env.lower, rows, env_on_rows)
 
         def recon(masks, comps=comps_c):
             return self.recon(target, batch, comps, masks, clean, rows)
@@ -151,7 +153,7 @@ class Decomposer:
         parts = {"faithfulness": comp_lib.faithfulness(components, weights)}
         p = schedule_value(cfg.loss.imp_min.p, step, self.steps)
         gamma = schedule_value(cfg.loss.imp_min.gamma, step, self.steps)
-        imp, _, _ = losses.imp_min(env.upper, cfg.loss.imp_min, p, gamma)
+        imp, _, _ = losses.imp_min(env.upper, cfg.loss.imp_min, p, gamma, counts)
         parts["imp_min"] = imp
         total = cfg.loss.faithfulness_coeff * parts["faithfulness"] + imp
         for i, (name, term) in enumerate(cfg.loss.stochastic.items()):
@@ -160,27 +162,28 @@ class Decomposer:
                                                   cfg.decomp.use_delta, rows)
             total = total + term.coeff * parts[name]
         for name, term in cfg.loss.persistent_pgd.items():
-            parts[name] = recon(self.ppgd_masks(env.lower, sources[name], rows))
+            parts[name] = recon(self.ppgd_masks(lower, sources[name], rows))
             total = total + term.coeff * parts[name]
         for i, (name, term) in enumerate(cfg.loss.fresh_pgd.items()):
             k = jax.random.fold_in(key, _FRESH + i)
-            frozen = jax.lax.stop_gradient((comps_c, env.lower))
+            frozen = jax.lax.stop_gradient((comps_c, lower))
             src = adv_lib.sign_pgd(
                 k, term.scope, self.leading, self.C, term.n_steps, term.step_size,
                 lambda s: recon(self.ppgd_masks(frozen[1], s, rows), frozen[0]))
-            parts[name] = recon(self.ppgd_masks(env.lower, src, rows))
+            parts[name] = recon(self.ppgd_masks(lower, src, rows))
             total = total + term.coeff * parts[name]
         parts["total"] = total
         return total, parts
 
     # ------------------------------------------------------------ the step
 
-    def _envelope_vjp(self, state: TrainState, target: Target, batch):
-        """The envelope and its vjp -> (CI-fn cotangent, component cotangent or None)."""
+    def _envelope_vjp(self, state: TrainState, taps):
+        """The envelope of `taps` and its vjp -> (CI-fn cotangent, component cotangent or
+        None)."""
         reads_components = getattr(state.ci_fn, "reads_components", False)
 
         def envelope_of(ci_fn, comps):
-            ci = self.ci(ci_fn, comps, target, batch)
+            ci = ci_lib.ci_from_logits(ci_fn(taps, comps))
             return Envelope(_cast(ci.lower, self.dtype), _cast(ci.upper, self.dtype))
 
         if reads_components:
@@ -188,16 +191,27 @@ class Decomposer:
         env, vjp = jax.vjp(lambda f: envelope_of(f, state.components), state.ci_fn)
         return env, lambda g: (vjp(g)[0], None)
 
-    def _recon_part(self, state: TrainState, env: Envelope, key, target, batch, clean,
-                    rows: live_lib.Subset | None):
+    def _recon_part(self, state: TrainState, env: Envelope | None, taps, key, target, batch,
+                    clean, rows: live_lib.Subset | None):
         """The warmup ascents, then the losses and their gradient w.r.t. (components,
-        sources, envelope): everything that runs masked forwards, on `rows` (None: all)."""
+        sources, envelope): everything that runs masked forwards, on `rows` (None: all).
+
+        With the CI fn live (`env` None, its `taps` given) it runs here too: on `rows` plus
+        one all-zero row standing for the batch's other rows (all dead, so all with that
+        row's CI: the toy CI fns read site inputs only and map rows independently), and the
+        envelope cotangent is pulled back through it. -> (advs, parts, component grads,
+        source grads, the CI-fn grads if live else the envelope cotangent, the envelope)."""
         step = state.step
+        ci_vjp, env_on_rows = None, env is None and rows is not None
+        if env is None:
+            env, ci_vjp = self._envelope_vjp(state, rows.take_and_zero_row(taps)
+                                             if env_on_rows else taps)
         if rows is not None:
             batch, clean = rows.take((batch, clean))
+        lower, _ = _rows_of(env.lower, rows, env_on_rows)
         # [S24] warmup ascents against the all-sites route-all forward, comps and CI detached.
         advs = dict(state.adversaries)
-        frozen = jax.lax.stop_gradient((_cast(state.components, self.dtype), env.lower))
+        frozen = jax.lax.stop_gradient((_cast(state.components, self.dtype), lower))
         for name, term in self.cfg.loss.persistent_pgd.items():
             lr = schedule_value(term.lr, step, self.steps)
             obj = lambda s: self.recon(target, batch, frozen[0],
@@ -206,18 +220,26 @@ class Decomposer:
                 advs[name] = adv_lib.ascend(advs[name], jax.grad(obj)(advs[name].sources), term, lr)
 
         sources = {n: a.sources for n, a in advs.items()}
-        loss = lambda c, s, e: self._losses(key, step, target, batch, clean, c, s, e, rows)
-        (_, parts), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-            state.components, sources, env)
-        return advs, parts, grads
+        loss = lambda c, s, e: self._losses(key, step, target, batch, clean, c, s, e, rows,
+                                            env_on_rows)
+        (_, parts), (g_comp, g_src, g_env) = jax.value_and_grad(
+            loss, argnums=(0, 1, 2), has_aux=True)(state.components, sources, env)
+        if ci_vjp is None:
+            return advs, parts, g_comp, g_src, g_env, env
+        g_ci, g_comp_ci = ci_vjp(g_env)
+        if g_comp_ci is not None:
+            g_comp = jax.tree.map(jnp.add, g_comp, g_comp_ci)  # CI path into V
+        return advs, parts, g_comp, g_src, g_ci, env
 
     def _step(self, state: TrainState, target: Target, batch, env: Envelope | None,
-              acc: Envelope | None = None, update_ci_from_acc: bool = False):
+              acc: Envelope | None = None, update_ci_from_acc: bool = False,
+              keep_env: bool = False):
         """SPEC 6 with the CI fn live (`env` None) or replayed from `env` [W3].
 
         With `acc`, the envelope cotangent (fp32) is added to it; with `update_ci_from_acc`
         the window-mean cotangent is pulled back through ONE CI-fn vjp and applied (the
-        `mean` mode's last step [W2]).
+        `mean` mode's last step [W2]). `keep_env`: return the batch's envelope (the recon
+        then runs on every row).
         """
         cfg = self.cfg
         step = state.step
@@ -226,15 +248,20 @@ class Decomposer:
         batch_c = batch.astype(self.dtype) if jnp.issubdtype(batch.dtype, jnp.floating) else batch
         clean = target_c.clean_output(batch_c)
 
-        ci_vjp = None
-        if env is None:
-            env, ci_vjp = self._envelope_vjp(state, target, batch)
-
-        recon_part = functools.partial(self._recon_part, state, env, key, target_c, batch_c,
-                                       clean)
-        live = self.live_rows(target_c, batch_c)
-        advs, parts, (g_comp, g_src, g_env) = (recon_part(None) if live is None else
-                                               live_lib.switch(live, self.live_sizes, recon_part))
+        ci_live = env is None
+        taps = target.read_activations(batch, state.ci_fn.input_names) if ci_live else None
+        recon_part = functools.partial(self._recon_part, state, env, taps, key, target_c,
+                                       batch_c, clean)
+        live = None if keep_env else self.live_rows(target_c, batch_c)
+        if live is None:
+            advs, parts, g_comp, g_src, g_rest, env = recon_part(None)
+        else:
+            assert not ci_live or set(state.ci_fn.input_names) <= set(self.sites), \
+                "live_rows.py: a CI fn reading more than site inputs needs every row"
+            advs, parts, g_comp, g_src, g_rest = live_lib.switch(
+                live, self.live_sizes, lambda rows: recon_part(rows)[:5])
+            env = None
+        g_ci, g_env = (g_rest, None) if ci_live else (None, g_rest)
 
         # [S13, S14] final ascent from the same backward, grad / coeff, before any update.
         for name, term in cfg.loss.persistent_pgd.items():
@@ -245,14 +272,11 @@ class Decomposer:
         if acc is not None:
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, g_env)
         if update_ci_from_acc:
-            _, ci_vjp = self._envelope_vjp(state, target, batch)
+            # the components' cotangent of this vjp is dropped: they had theirs each step
+            _, ci_vjp = self._envelope_vjp(state, target.read_activations(
+                batch, state.ci_fn.input_names))
             k = cfg.data.train_batch_replay
-            g_env = jax.tree.map(lambda a, e: (a / k).astype(e.dtype), acc, env)
-        g_ci = None
-        if ci_vjp is not None:
-            g_ci, g_comp_ci = ci_vjp(g_env)
-            if g_comp_ci is not None and not update_ci_from_acc:
-                g_comp = jax.tree.map(jnp.add, g_comp, g_comp_ci)  # CI path into V
+            g_ci, _ = ci_vjp(jax.tree.map(lambda a, e: (a / k).astype(e.dtype), acc, env))
         lr_c = schedule_value(cfg.decomp.lr_components, step, self.steps)
         g_norm_c = global_norm(g_comp)
         g_comp = clip_by_global_norm(g_comp, cfg.decomp.grad_clip_components)
@@ -283,7 +307,7 @@ class Decomposer:
 
     def full_keep(self, state: TrainState, target: Target, batch):
         """The plain step, also returning its envelope (`first` at t = 0)."""
-        new, env, _, metrics = self._step(state, target, batch, None)
+        new, env, _, metrics = self._step(state, target, batch, None, keep_env=True)
         return new, env, metrics
 
     def compute_ci(self, target: Target, state: TrainState, batch) -> Envelope:
@@ -311,6 +335,17 @@ class Decomposer:
         target, env = model_env
         new, _, _, metrics = self._step(state, target, batch, env, acc, update_ci_from_acc=True)
         return new, metrics
+
+
+def _rows_of(lower, rows: live_lib.Subset | None, env_on_rows: bool):
+    """An envelope's lower CI on the recon's rows, and the imp-min row counts of the
+    envelope (live_rows.py): on `rows`, either taken from the batch's envelope or the first
+    rows of one computed on `rows.take_and_zero_row`."""
+    if rows is None:
+        return lower, None
+    if not env_on_rows:
+        return rows.take(lower), None
+    return {s: v[:rows.k] for s, v in lower.items()}, rows.counts
 
 
 def zero_accumulator(env: Envelope) -> Envelope:

@@ -139,6 +139,20 @@ def test_S7_S8_imp_min_lp_and_frequency_term():
     assert float(got) == pytest.approx(0.3 * lp + 0.2 * freq, rel=1e-5)
 
 
+def test_S7_S8_imp_min_with_row_counts_is_imp_min_of_the_repeated_rows():
+    """A row standing for `counts[r]` identical batch rows (live_rows.py's zero row) gives
+    the imp-min, lp and frequency term of the batch with those rows repeated."""
+    u = np.random.default_rng(4).uniform(0, 1.2, size=(5, 3)).astype(np.float32)
+    counts = np.array([1, 1, 1, 1, 7], np.float32)
+    for cfg in (ImpMinConfig(coeff=0.3, p=Schedule("constant", 0.7), freq_coeff=0.2,
+                             reference_token_count=50.0),
+                ImpMinConfig(coeff=1.0, kind="smooth_l0")):
+        got = losses.imp_min({"a": jnp.asarray(u)}, cfg, 0.7, 0.2, counts)
+        want = losses.imp_min({"a": jnp.asarray(np.repeat(u, counts.astype(int), 0))}, cfg,
+                              0.7, 0.2)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_S7_imp_min_smooth_l0_and_positions_over_leading_axes():
     u = np.random.default_rng(3).uniform(0, 1, size=(2, 5, 3))  # [B, T, C]
     gamma = 0.2
@@ -591,13 +605,17 @@ def test_R1_toy_data_is_bit_identical_to_jax_random():
 # ---------------------------------------------------------------- recon on the live rows only
 
 
-@pytest.mark.parametrize("data_p,size", [(0.05, 0), (0.6, 1)])
-def test_S2_step_on_the_live_rows_equals_the_full_batch_step(data_p, size):
+@pytest.mark.parametrize("data_p,size,ci_kind", [(0.05, 0, "per_component_mlp"),
+                                                 (0.6, 1, "per_component_mlp"),
+                                                 (0.05, 0, "global_mlp")])
+def test_S2_step_on_the_live_rows_equals_the_full_batch_step(data_p, size, ci_kind):
     """live_rows.py: a row whose every site input is zero cannot move a recon divergence or
     any gradient, so the step that runs its masked forwards (stochastic with uniform_k
     routes, layerwise, persistent `bsc` with warmups and `sc`, fresh PGD) on the live rows
-    only is the full-batch step. The target declares feature_probability 0.05 (rows: 256,
-    gathered: 104); data drawn at 0.6 has more live rows and takes the full-batch branch."""
+    only is the full-batch step. Its CI fn runs on those rows plus one zero row counted for
+    the rest in imp-min (frequency term included [S8]), so the CI fn's update is the same
+    too. The target declares feature_probability 0.05 (rows: 256, gathered: 104); data
+    drawn at 0.6 has more live rows and takes the full-batch branch."""
     from ppgd_tpu.config import FreshPGDTerm, TMSConfig
     from ppgd_tpu.step import Decomposer
 
@@ -606,7 +624,11 @@ def test_S2_step_on_the_live_rows_equals_the_full_batch_step(data_p, size):
                     "layerwise": StochasticTerm(plan="chunked")},
         persistent_pgd={"bsc": PersistentPGDTerm(scope="bsc", n_warmup=2),
                         "sc": PersistentPGDTerm(scope="sc", lr=Schedule("constant", 0.1))},
-        fresh_pgd={"fresh": FreshPGDTerm(n_steps=3, scope="bsc")})
+        fresh_pgd={"fresh": FreshPGDTerm(n_steps=3, scope="bsc")},
+        imp_min=ImpMinConfig(coeff=3e-3, p=Schedule("constant", 1.0), freq_coeff=1e-3,
+                             reference_token_count=256.0))
+    cfg = dataclasses.replace(cfg, decomp=dataclasses.replace(
+        cfg.decomp, ci_fn=dataclasses.replace(cfg.decomp.ci_fn, kind=ci_kind)))
     t = tms.init(TMSConfig(feature_probability=0.05), jax.random.key(0))
     rows = 256
     x = dataclasses.replace(t, feature_probability=data_p).sample(jax.random.key(5), rows)

@@ -19,11 +19,12 @@ from ppgd_tpu.targets.base import MaskThunk, SiteMask
 # ---------------------------------------------------------------- importance minimality
 
 
-def imp_min(upper: dict[str, jax.Array], cfg: ImpMinConfig, p, gamma):
+def imp_min(upper: dict[str, jax.Array], cfg: ImpMinConfig, p, gamma, counts=None):
     """[S7, S8] returns (contribution, lp, freq).
 
     f[s, c] = Σ_leading ψ(upper[..., c]) / n_positions over the global batch; the frequency
-    term puts the exact global f inside the log2 [D2].
+    term puts the exact global f inside the log2 [D2]. With `counts` (a numpy [rows]
+    array) row r of a [rows, C] upper stands for counts[r] identical rows of the batch.
     """
     lp = jnp.float32(0.0)
     freq = jnp.float32(0.0)
@@ -33,8 +34,11 @@ def imp_min(upper: dict[str, jax.Array], cfg: ImpMinConfig, p, gamma):
             psi = (u + cfg.eps) ** p
         else:
             psi = jnp.square(u) / (jnp.square(u) + jnp.square(gamma))
-        n_positions = u.size // u.shape[-1]
-        f = jnp.sum(psi.reshape(-1, u.shape[-1]), axis=0) / n_positions
+        psi = psi.reshape(-1, u.shape[-1])
+        if counts is None:
+            f = jnp.sum(psi, axis=0) / psi.shape[0]
+        else:
+            f = jnp.sum(psi * counts[:, None], axis=0) / float(counts.sum())
         lp = lp + jnp.sum(f)
         if cfg.freq_coeff > 0:
             freq = freq + jnp.sum(f * jnp.log2(1.0 + cfg.reference_token_count * f))
