@@ -200,7 +200,8 @@ class Decomposer:
         one all-zero row standing for the batch's other rows (all dead, so all with that
         row's CI: the toy CI fns read site inputs only and map rows independently), and the
         envelope cotangent is pulled back through it. -> (advs, parts, component grads,
-        source grads, the CI-fn grads if live else the envelope cotangent, the envelope)."""
+        source grads, envelope cotangent (None with the CI fn live), CI-fn grads (None
+        without), envelope)."""
         step = state.step
         ci_vjp, env_on_rows = None, env is None and rows is not None
         if env is None:
@@ -225,11 +226,11 @@ class Decomposer:
         (_, parts), (g_comp, g_src, g_env) = jax.value_and_grad(
             loss, argnums=(0, 1, 2), has_aux=True)(state.components, sources, env)
         if ci_vjp is None:
-            return advs, parts, g_comp, g_src, g_env, env
+            return advs, parts, g_comp, g_src, g_env, None, env
         g_ci, g_comp_ci = ci_vjp(g_env)
         if g_comp_ci is not None:
             g_comp = jax.tree.map(jnp.add, g_comp, g_comp_ci)  # CI path into V
-        return advs, parts, g_comp, g_src, g_ci, env
+        return advs, parts, g_comp, g_src, None, g_ci, env
 
     def _step(self, state: TrainState, target: Target, batch, env: Envelope | None,
               acc: Envelope | None = None, update_ci_from_acc: bool = False,
@@ -254,14 +255,13 @@ class Decomposer:
                                        batch_c, clean)
         live = None if keep_env else self.live_rows(target_c, batch_c)
         if live is None:
-            advs, parts, g_comp, g_src, g_rest, env = recon_part(None)
+            advs, parts, g_comp, g_src, g_env, g_ci, env = recon_part(None)
         else:
             assert not ci_live or set(state.ci_fn.input_names) <= set(self.sites), \
                 "live_rows.py: a CI fn reading more than site inputs needs every row"
-            advs, parts, g_comp, g_src, g_rest = live_lib.switch(
-                live, self.live_sizes, lambda rows: recon_part(rows)[:5])
-            env = None
-        g_ci, g_env = (g_rest, None) if ci_live else (None, g_rest)
+            advs, parts, g_comp, g_src, g_env, g_ci = live_lib.switch(
+                live, self.live_sizes, lambda rows: recon_part(rows)[:6])
+            env = None  # only full_keep returns it, and it runs every row
 
         # [S13, S14] final ascent from the same backward, grad / coeff, before any update.
         for name, term in cfg.loss.persistent_pgd.items():
