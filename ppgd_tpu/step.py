@@ -126,22 +126,18 @@ class Decomposer:
         div = target.divergence(target.masked_forward(batch, components, masks), clean)
         return div if rows is None else div * rows.scale
 
-    def ppgd_masks(self, lower, sources, rows: live_lib.Subset | None = None
-                   ) -> dict[str, MaskThunk]:
+    def ppgd_masks(self, lower, sources) -> dict[str, MaskThunk]:
         """[S12] all sites live, routed everywhere, masks from the adversary's sources (built
-        at each site inside the forward); `lower` on `rows` when given, of which the
-        (full-batch) sources are taken."""
+        at each site inside the forward); `lower` and `sources` on the same rows."""
         use_delta = self.cfg.decomp.use_delta
-        if rows is not None:
-            sources = rows.take(sources)
         return {s: functools.partial(losses.mask_from_source, lower[s], sources[s], use_delta)
                 for s in self.sites}
 
     def _losses(self, key, step, target, batch, clean, components, sources, env: Envelope,
                 rows: live_lib.Subset | None = None, env_on_rows: bool = False):
         """Total loss and its parts as a function of (components, sources, envelope); the
-        recon terms on `rows` (their batch and clean output) when given. The envelope is
-        the batch's, or with `env_on_rows` that of `rows.take_and_zero_row`."""
+        recon terms on `rows` (their batch, clean output and `bsc` sources) when given. The
+        envelope is the batch's, or with `env_on_rows` that of `rows.take_and_zero_row`."""
         cfg = self.cfg
         weights = target.site_weights()
         comps_c = _cast(components, self.dtype)
@@ -162,15 +158,16 @@ class Decomposer:
                                                   cfg.decomp.use_delta, rows)
             total = total + term.coeff * parts[name]
         for name, term in cfg.loss.persistent_pgd.items():
-            parts[name] = recon(self.ppgd_masks(lower, sources[name], rows))
+            parts[name] = recon(self.ppgd_masks(lower, sources[name]))
             total = total + term.coeff * parts[name]
         for i, (name, term) in enumerate(cfg.loss.fresh_pgd.items()):
             k = jax.random.fold_in(key, _FRESH + i)
             frozen = jax.lax.stop_gradient((comps_c, lower))
+            on_rows = (lambda s: s) if rows is None else rows.take
             src = adv_lib.sign_pgd(
                 k, term.scope, self.leading, self.C, term.n_steps, term.step_size,
-                lambda s: recon(self.ppgd_masks(frozen[1], s, rows), frozen[0]))
-            parts[name] = recon(self.ppgd_masks(lower, src, rows))
+                lambda s: recon(self.ppgd_masks(frozen[1], on_rows(s)), frozen[0]))
+            parts[name] = recon(self.ppgd_masks(lower, on_rows(src)))
             total = total + term.coeff * parts[name]
         parts["total"] = total
         return total, parts
@@ -193,15 +190,21 @@ class Decomposer:
 
     def _recon_part(self, state: TrainState, env: Envelope | None, taps, key, target, batch,
                     clean, rows: live_lib.Subset | None):
-        """The warmup ascents, then the losses and their gradient w.r.t. (components,
-        sources, envelope): everything that runs masked forwards, on `rows` (None: all).
+        """The warmup ascents, the losses and their gradient w.r.t. (components, sources,
+        envelope), the final ascent: everything that runs masked forwards, on `rows` (None:
+        all).
+
+        On `rows` the `bsc` adversaries ascend on those rows only; every other row's
+        gradient is exactly 0 in all n_warmup + 1 ascents (its recon divergence cannot
+        move), so its Adam steps are the zero-gradient ones, taken on the full arrays before
+        the rows' results are written over them [S13-S15].
 
         With the CI fn live (`env` None, its `taps` given) it runs here too: on `rows` plus
         one all-zero row standing for the batch's other rows (all dead, so all with that
         row's CI: the toy CI fns read site inputs only and map rows independently), and the
-        envelope cotangent is pulled back through it. -> (advs, parts, component grads,
-        source grads, envelope cotangent (None with the CI fn live), CI-fn grads (None
-        without), envelope)."""
+        envelope cotangent is pulled back through it. -> (advs after the final ascent,
+        parts, component grads, envelope cotangent (None with the CI fn live), CI-fn grads
+        (None without), envelope)."""
         step = state.step
         ci_vjp, env_on_rows = None, env is None and rows is not None
         if env is None:
@@ -210,27 +213,39 @@ class Decomposer:
         if rows is not None:
             batch, clean = rows.take((batch, clean))
         lower, _ = _rows_of(env.lower, rows, env_on_rows)
-        # [S24] warmup ascents against the all-sites route-all forward, comps and CI detached.
+        terms = self.cfg.loss.persistent_pgd
+        lrs = {n: schedule_value(t.lr, step, self.steps) for n, t in terms.items()}
         advs = dict(state.adversaries)
+        if rows is not None:
+            advs = rows.take(advs)
+        # [S24] warmup ascents against the all-sites route-all forward, comps and CI detached.
         frozen = jax.lax.stop_gradient((_cast(state.components, self.dtype), lower))
-        for name, term in self.cfg.loss.persistent_pgd.items():
-            lr = schedule_value(term.lr, step, self.steps)
-            obj = lambda s: self.recon(target, batch, frozen[0],
-                                       self.ppgd_masks(frozen[1], s, rows), clean, rows)
+        for name, term in terms.items():
+            obj = lambda s: self.recon(target, batch, frozen[0], self.ppgd_masks(frozen[1], s),
+                                       clean, rows)
             for _ in range(term.n_warmup):
-                advs[name] = adv_lib.ascend(advs[name], jax.grad(obj)(advs[name].sources), term, lr)
+                advs[name] = adv_lib.ascend(advs[name], jax.grad(obj)(advs[name].sources), term,
+                                            lrs[name])
 
         sources = {n: a.sources for n, a in advs.items()}
         loss = lambda c, s, e: self._losses(key, step, target, batch, clean, c, s, e, rows,
                                             env_on_rows)
         (_, parts), (g_comp, g_src, g_env) = jax.value_and_grad(
             loss, argnums=(0, 1, 2), has_aux=True)(state.components, sources, env)
+        # [S13, S14] final ascent from the same backward, grad / coeff, before any update.
+        for name, term in terms.items():
+            g = {s: x / term.coeff for s, x in g_src[name].items()}
+            advs[name] = adv_lib.ascend(advs[name], g, term, lrs[name])
+        if rows is not None:
+            idle = {n: adv_lib.idle_ascents(a, terms[n].n_warmup + 1, terms[n], lrs[n])
+                    for n, a in state.adversaries.items()}
+            advs = rows.put(idle, advs)
         if ci_vjp is None:
-            return advs, parts, g_comp, g_src, g_env, None, env
+            return advs, parts, g_comp, g_env, None, env
         g_ci, g_comp_ci = ci_vjp(g_env)
         if g_comp_ci is not None:
             g_comp = jax.tree.map(jnp.add, g_comp, g_comp_ci)  # CI path into V
-        return advs, parts, g_comp, g_src, None, g_ci, env
+        return advs, parts, g_comp, None, g_ci, env
 
     def _step(self, state: TrainState, target: Target, batch, env: Envelope | None,
               acc: Envelope | None = None, update_ci_from_acc: bool = False,
@@ -255,19 +270,13 @@ class Decomposer:
                                        batch_c, clean)
         live = None if keep_env else self.live_rows(target_c, batch_c)
         if live is None:
-            advs, parts, g_comp, g_src, g_env, g_ci, env = recon_part(None)
+            advs, parts, g_comp, g_env, g_ci, env = recon_part(None)
         else:
             assert not ci_live or set(state.ci_fn.input_names) <= set(self.sites), \
                 "live_rows.py: a CI fn reading more than site inputs needs every row"
-            advs, parts, g_comp, g_src, g_env, g_ci = live_lib.switch(
-                live, self.live_sizes, lambda rows: recon_part(rows)[:6])
+            advs, parts, g_comp, g_env, g_ci = live_lib.switch(
+                live, self.live_sizes, lambda rows: recon_part(rows)[:5])
             env = None  # only full_keep returns it, and it runs every row
-
-        # [S13, S14] final ascent from the same backward, grad / coeff, before any update.
-        for name, term in cfg.loss.persistent_pgd.items():
-            lr = schedule_value(term.lr, step, self.steps)
-            g = {s: x / term.coeff for s, x in g_src[name].items()}
-            advs[name] = adv_lib.ascend(advs[name], g, term, lr)
 
         if acc is not None:
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, g_env)

@@ -291,6 +291,30 @@ def test_S15_ascend_is_adam_ascent_with_eps_outside_sqrt_and_bias_correction():
         adversary.ascend(adv, {"a": jnp.asarray(g1)}, cfg, lr).sources["a"], wrong)
 
 
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_S15_idle_ascents_are_ascents_with_a_zero_gradient(n):
+    """live_rows.py: the rows outside a step's live subset take n_warmup + 1 zero-gradient
+    Adam steps in one pass (one sqrt, one clamp); the formula's sources, moments and count,
+    with sources pushed past both clamps and moments of both signs."""
+    cfg = PersistentPGDTerm(beta1=0.9, beta2=0.99, eps=1e-3)
+    m0 = np.array([[0.4, -0.3, 0.02, 0.0, -1e-4, 2.0]], np.float32)
+    v0 = np.array([[0.01, 0.02, 1e-6, 0.0, 1e-9, 0.5]], np.float32)
+    s0 = np.array([[0.99, 0.01, 0.5, 0.3, 0.2, 0.0]], np.float32)
+    adv = adversary.Adversary({"a": jnp.asarray(s0)}, {"a": jnp.asarray(m0)},
+                              {"a": jnp.asarray(v0)}, jnp.float32(4.0))
+    lr = 0.05
+    got = adversary.idle_ascents(adv, n, cfg, lr)
+    m, v, s = m0.astype(np.float64), v0.astype(np.float64), s0.astype(np.float64)
+    for t in range(5, 5 + n):
+        m, v = 0.9 * m, 0.99 * v
+        s = np.clip(s + lr * (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.99 ** t)) + 1e-3), 0, 1)
+    assert s[0, 0] == 1.0 and s[0, 1] == 0.0  # the clamps were reached
+    np.testing.assert_allclose(got.sources["a"], s, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got.m["a"], m, rtol=1e-6)
+    np.testing.assert_allclose(got.v["a"], v, rtol=1e-6)
+    assert float(got.step_count) == 4.0 + n
 def test_S5_scopes_shapes():
     assert adversary.scope_shape("sc", (8,)) == (1,)
     assert adversary.scope_shape("bsc", (8,)) == (8,)
@@ -631,15 +655,18 @@ def test_S2_step_on_the_live_rows_equals_the_full_batch_step(data_p, size, ci_ki
         cfg.decomp, ci_fn=dataclasses.replace(cfg.decomp.ci_fn, kind=ci_kind)))
     t = tms.init(TMSConfig(feature_probability=0.05), jax.random.key(0))
     rows = 256
-    x = dataclasses.replace(t, feature_probability=data_p).sample(jax.random.key(5), rows)
+    data = dataclasses.replace(t, feature_probability=data_p)
     live = Decomposer(cfg, t, (rows, 5))
     full = Decomposer(cfg, t, (rows, 5))
     full.skip_dead_rows = False
     assert live.live_sizes == (104, rows) and live.skip_dead_rows
-    assert full.live_rows(t, x) is None
-    assert int(live.live_rows(t, x).size) == size  # the branch this batch takes
     state = live.init(t)
-    for _ in range(2):  # the second step starts from trained adversaries and components
+    # the second step starts from trained adversaries and components, on another batch: rows
+    # live in the first and dead in the second carry Adam moments into their idle ascents
+    for seed in (5, 6):
+        x = data.sample(jax.random.key(seed), rows)
+        assert full.live_rows(t, x) is None
+        assert int(live.live_rows(t, x).size) == size  # the branch this batch takes
         a, ma = jax.jit(live.full)(state, t, x)
         b, mb = jax.jit(full.full)(state, t, x)
         for k in mb:
@@ -677,7 +704,27 @@ def test_live_rows_orders_live_rows_first_and_picks_the_smallest_size_holding_th
     got = jax.jit(live_rows.find, static_argnums=1)(taps, sizes)
     order = np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)])
     np.testing.assert_array_equal(got.order, order)
+    np.testing.assert_array_equal(np.asarray(got.slot)[order], np.arange(rows))  # inverse
     assert int(got.size) == min(i for i, k in enumerate(sizes) if k >= n_live)
+
+
+def test_subset_put_writes_the_subset_rows_back_and_leaves_the_others():
+    from ppgd_tpu.decomp import live_rows
+
+    live = jnp.asarray(np.random.default_rng(0).random(40) < 0.3)
+    order, slot, _ = live_rows.live_first(live)
+    sub = live_rows.Subset(order, slot, 16)
+    full = {"rows": jnp.arange(40 * 3, dtype=jnp.float32).reshape(40, 3),
+            "shared": jnp.zeros((1, 3)), "count": jnp.float32(1.0)}
+    new = jax.tree.map(lambda a: -1.0 - a, sub.take(full))
+    got = jax.jit(sub.put)(full, new)
+    want = np.asarray(full["rows"]).copy()
+    want[np.asarray(order)[:16]] = np.asarray(new["rows"])
+    np.testing.assert_array_equal(got["rows"], want)
+    assert (want < 0).sum() == 16 * 3
+    np.testing.assert_array_equal(got["shared"], new["shared"])  # not per row: the new leaf
+    assert float(got["count"]) == -2.0
+    np.testing.assert_array_equal(jax.jit(sub.put)(full, sub.take(full))["rows"], full["rows"])
 
 
 @pytest.mark.parametrize("shape", [(50, 21), (50, 4), (50,), (6, 7, 3)])

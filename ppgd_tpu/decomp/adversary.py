@@ -52,6 +52,29 @@ def ascend(adv: Adversary, grad: dict[str, jax.Array], cfg: PersistentPGDTerm, l
     return Adversary(sources=src, m=m, v=v, step_count=t)
 
 
+def idle_ascents(adv: Adversary, n: int, cfg: PersistentPGDTerm, lr) -> Adversary:
+    """`n` ascents with a zero gradient in one pass: those of the rows whose recon divergence
+    cannot move (decomp/live_rows.py), which still step - the moments decay and the sources
+    follow them. [S15] with g = 0: after j steps m = b1^j m, v = b2^j v, so
+    sqrt(v_hat_j) = sqrt(v) sqrt(b2^j / (1 - b2^t_j)): one sqrt per element, not n; and every
+    step moves a source the same way (the sign of lr m, one lr for the step's ascents), so
+    clamping once at the end is clamping after each step."""
+    b1, b2 = cfg.beta1, cfg.beta2
+    src = {}
+    for s, x in adv.sources.items():
+        root = jnp.sqrt(adv.v[s])
+        move = 0.0
+        for j in range(1, n + 1):
+            t = adv.step_count + j
+            c = lr * b1 ** j / (1 - b1 ** t)
+            q = jnp.sqrt(b2 ** j / (1 - b2 ** t))
+            move = move + c * adv.m[s] / (root * q + cfg.eps)
+        src[s] = jnp.clip(x + move, 0.0, 1.0)
+    return Adversary(sources=src, m={s: b1 ** n * m for s, m in adv.m.items()},
+                     v={s: b2 ** n * v for s, v in adv.v.items()},
+                     step_count=adv.step_count + n)
+
+
 def sign_pgd(key, scope: str, leading, C: dict[str, int], n_steps: int, step_size: float,
              objective):
     """Fresh sign-PGD: sources ~ U[0,1], `n_steps` of clamp(src + step * sign(grad)).

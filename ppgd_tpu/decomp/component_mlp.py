@@ -55,7 +55,7 @@ def _live_chunks(a, k: int):
         return jnp.arange(rows)[None], 1, jnp.ones((rows,), bool)
     live = jnp.any(a != 0, axis=-1)
     n = -(-rows // k)
-    order, n_live = live_first(live)
+    order, _, n_live = live_first(live)
     slot = jnp.arange(n * k)
     idx = jnp.where(slot < n_live, jnp.pad(order, (0, n * k - rows)), rows)
     return idx.reshape(n, k), (n_live + k - 1) // k, live

@@ -35,6 +35,7 @@ from ppgd_tpu.targets.lowrank import LowRank
 
 class LiveRows(NamedTuple):
     order: jax.Array  # [rows] int32: the live rows in row order, then the others
+    slot: jax.Array  # [rows] int32: each row's position in `order`
     size: jax.Array  # int32: index of the smallest of the sizes holding every live row
 
 
@@ -42,6 +43,7 @@ class Subset(NamedTuple):
     """The first `k` rows of `order` (k static): every live row and some dead ones."""
 
     order: jax.Array
+    slot: jax.Array
     k: int
 
     @property
@@ -57,6 +59,20 @@ class Subset(NamedTuple):
         """The subset's rows of every [rows, ...] leaf (a differentiable gather)."""
         n = self.order.shape[0]
         return jax.tree.map(lambda a: a[self.rows] if a.ndim and a.shape[0] == n else a, tree)
+
+    def put(self, full, tree):
+        """`full` with the subset's rows of each [rows, ...] leaf replaced by `tree`'s (the
+        inverse of `take`); other leaves are `tree`'s. A gather and a select, not a scatter:
+        XLA:CPU fuses them with whatever computes `full` into one pass per leaf."""
+        n = self.order.shape[0]
+        inside = self.slot < self.k
+        at = jnp.minimum(self.slot, self.k - 1)
+
+        def put(f, t):
+            if not (f.ndim and f.shape[0] == n):
+                return t
+            return jnp.where(inside.reshape(-1, *[1] * (f.ndim - 1)), t[at], f)
+        return jax.tree.map(put, full, tree)
 
     def take_and_zero_row(self, tree):
         """The subset's rows of every [rows, ...] leaf, then one all-zero row: it stands for
@@ -106,25 +122,25 @@ def find(taps: dict, sizes_: tuple[int, ...]) -> LiveRows:
     for x in taps.values():
         for a in (x.coeffs if isinstance(x, LowRank) else (x,)):
             live = live | jnp.any(a.reshape(rows, -1) != 0, axis=-1)
-    order, n_live = live_first(live)
+    order, slot, n_live = live_first(live)
     size = jnp.sum(n_live > jnp.array(sizes_[:-1], jnp.int32), dtype=jnp.int32)
-    return LiveRows(order=order, size=size)
+    return LiveRows(order=order, slot=slot, size=size)
 
 
 def live_first(live):
     """The row indices of `live` [rows] (bool), live rows first, each group in row order;
-    and the number of live rows."""
+    each row's position in that order; the number of live rows."""
     before = rows_before(live)
     row = jnp.arange(live.shape[0], dtype=jnp.int32)
     n_live = before[-1] + live[-1]
     slot = jnp.where(live, before, n_live + row - before)
-    return jnp.zeros_like(row).at[slot].set(row, unique_indices=True), n_live
+    return jnp.zeros_like(row).at[slot].set(row, unique_indices=True), slot, n_live
 
 
 def switch(live: LiveRows, sizes_: tuple[int, ...], fn):
     """`fn(subset)` at the smallest size holding every live row: one compiled branch per size,
     the full batch (subset None: nothing gathered) the last."""
     n = sizes_[-1]
-    branches = [functools.partial(fn, None if k == n else Subset(live.order, k))
+    branches = [functools.partial(fn, None if k == n else Subset(live.order, live.slot, k))
                 for k in sizes_]
     return jax.lax.switch(live.size, branches)
