@@ -482,6 +482,35 @@ def test_S5_per_component_ci_mlp_and_its_chunked_backward_match_the_formula(lead
         assert component_mlp.chunk_rows(4096, C * h) < 4096 / 2
 
 
+def test_S5_sites_sharing_one_ci_mlp_call_get_their_own_outputs_and_gradients():
+    """site_mlps runs narrow sites through one kernel call concatenated on C (two TMS-sized
+    sites), wide ones alone (the third): each site's output and every gradient equal its
+    own call's; rows live at one site only are in the shared call's live rows."""
+    widths = {"a": 20, "b": 20, "c": 100}
+    h, rows = 16, 512
+    ks = iter(jax.random.split(jax.random.key(0), 32))
+    acts = {s: jax.random.normal(next(ks), (rows, C)) for s, C in widths.items()}
+    acts["a"] = acts["a"].at[: rows // 2].set(0.0)  # live at "b" only
+    acts["b"] = acts["b"].at[rows // 4:].set(0.0)  # live at "a" only, then dead at both
+    w = [{s: jax.random.normal(next(ks), (C, h)) for s, C in widths.items()} for _ in range(3)]
+    b2 = {s: jax.random.normal(next(ks), (C,)) for s, C in widths.items()}
+    g = {s: jax.random.normal(next(ks), (rows, C)) for s, C in widths.items()}
+    assert widths["a"] * h + widths["b"] * h <= component_mlp.MERGE_WIDTH
+    assert widths["b"] * h + widths["c"] * h > component_mlp.MERGE_WIDTH
+
+    def own(acts, w1, b1, w2, b2):
+        return {s: component_mlp.component_mlp(acts[s], w1[s], b1[s], w2[s], b2[s])
+                for s in acts}
+
+    args = (acts, *w, b2)
+    got, got_vjp = jax.jit(lambda *x: jax.vjp(component_mlp.site_mlps, *x))(*args)
+    want, want_vjp = jax.jit(lambda *x: jax.vjp(own, *x))(*args)
+    for s in widths:
+        np.testing.assert_allclose(got[s], want[s], rtol=1e-6, atol=1e-6)
+    for x, y in zip(jax.tree.leaves(got_vjp(g)), jax.tree.leaves(want_vjp(g))):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("rows,k", [(4096, 408), (2048, 80), (97, 8), (5000, 512), (1, 8)])
 def test_S5_ci_mlp_live_row_chunks_are_the_nonzero_rows_in_order(rows, k):
     """The chunk index table of the zero-row skip: the rows with any nonzero input, in row

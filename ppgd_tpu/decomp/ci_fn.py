@@ -19,7 +19,7 @@ import numpy as np
 
 from ppgd_tpu.config import CIFnConfig
 from ppgd_tpu.decomp import rng
-from ppgd_tpu.decomp.component_mlp import component_mlp
+from ppgd_tpu.decomp.component_mlp import site_mlps
 from ppgd_tpu.targets.lowrank import dense
 
 LEAK = 0.01
@@ -93,12 +93,11 @@ class PerComponentMLP(eqx.Module):
         return not self.detach_inputs
 
     def __call__(self, taps, components):
-        out = {}
+        acts = {}
         for s in self.w1:
             V = jax.lax.stop_gradient(components.V[s]) if self.detach_inputs else components.V[s]
-            out[s] = component_mlp(dense(taps[s] @ V), self.w1[s], self.b1[s], self.w2[s],
-                                   self.b2[s])
-        return out
+            acts[s] = dense(taps[s] @ V)
+        return site_mlps(acts, self.w1, self.b1, self.w2, self.b2)
 
 
 class PerSiteMLP(eqx.Module):

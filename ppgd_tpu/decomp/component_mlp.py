@@ -11,7 +11,11 @@ pass, so on CPU (measured with `ppgd-tpu bench step`):
   the same per-row arithmetic, the weight-gradient sums only reassociated (~2.4x on the TMS
   CI fn's forward + backward);
 - the backward recomputes the hidden layer chunk by chunk and accumulates the weight
-  gradients, so the working set stays in cache (~2x on the backward).
+  gradients, so the working set stays in cache (~2x on the backward);
+- narrow sites share one call (`site_mlps`), concatenated on C: each call pays for finding
+  its live rows and for its chunk loop whatever its width (TMS 5-2 ref step 0.87x with its
+  two 20-component sites together; ResidMLP-1's two 100-component sites each fill a chunk on
+  their own and run 1.02-1.06x slower together, so they do not).
 
 Off CPU the whole batch goes through in one chunk: accelerators fuse the pass.
 """
@@ -113,6 +117,32 @@ def _rows_mlp(a, w1, b1, w2, b2):
 
 
 _rows_mlp.defvjp(_fwd, _bwd)
+
+
+MERGE_WIDTH = 1024  # C * h of the sites that share a call: chunks of >= 128 rows
+
+
+def site_mlps(acts: dict, w1: dict, b1: dict, w2: dict, b2: dict) -> dict:
+    """`component_mlp` of every site ({site: [*lead, C_s]}, one leading shape): on CPU,
+    consecutive sites whose summed C * h is at most MERGE_WIDTH go through ONE call,
+    concatenated on C (the same per-row arithmetic; the weight-gradient sums reassociated)."""
+    groups: list[list[str]] = []
+    width = 0
+    for s in acts:
+        w = w1[s].size
+        if groups and jax.default_backend() == "cpu" and width + w <= MERGE_WIDTH:
+            groups[-1].append(s)
+            width += w
+        else:
+            groups.append([s])
+            width = w
+    out = {}
+    for g in groups:
+        cat = lambda d, axis: jnp.concatenate([d[s] for s in g], axis=axis)
+        y = component_mlp(cat(acts, -1), cat(w1, 0), cat(b1, 0), cat(w2, 0), cat(b2, 0))
+        ends = np.cumsum([acts[s].shape[-1] for s in g])[:-1]
+        out.update(zip(g, jnp.split(y, ends, axis=-1)))
+    return out
 
 
 def component_mlp(a, w1, b1, w2, b2):
