@@ -4,7 +4,8 @@
   loop's step time (steps dispatched back to back, as the engine runs them), device-only
   step time (the same steps inside one jitted fori_loop), host overhead share
   = 1 - device_only / loop, steps/s and peak RSS; where the step runs its recon on the
-  live rows only (decomp/live_rows.py), that step vs the same step on every row, paired.
+  live rows only (decomp/live_rows.py), that step vs the same step on every row, paired;
+  with persistent-PGD terms, the step vs the same step without them, paired.
   With `--devices 1,4` it instead runs itself once per device count (forced CPU devices in
   a subprocess) and compares the per-device memory of the placed train state: sharded
   leaves shrink with the device count, replicated ones do not. `--timing=false` reports
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 
+import equinox as eqx
 import jax
 import numpy as np
 
@@ -146,39 +148,71 @@ def bench_step(args: list[str]) -> int:
         "steps_per_s": 1.0 / loop_s,
         "peak_rss_mb": _peak_rss_mb(),
     }
-    live_rows = live_rows_ab(trainer, state, n)  # before the split, which donates `state`
+    # the A/Bs before the split, which donates `state`
+    live_rows, ppgd = live_rows_ab(trainer, state, n), persistent_pgd_ab(trainer, state, n)
     report.update(ci_fn_split(trainer, state, n))  # toys too: where the CI fn's time goes
     report.update(live_rows)
+    report.update(ppgd)
     _print(report)
     return 0
 
 
-def live_rows_ab(trainer, state, n: int) -> dict:
-    """When the step runs its recon on the live rows (decomp/live_rows.py): that step vs the
-    same step on every row, on the same data, in rounds of 20 steps alternating which goes
-    first; the median of the per-round ratios is the number to compare (machine noise moves
-    both alike). Empty when the step runs on every row anyway."""
-    dec = trainer.dec
-    if not dec.skip_dead_rows:
-        return {}
-    every_row = copy.copy(dec)
-    every_row.skip_dead_rows = False
-    steps = {"live_rows": jax.jit(dec.full), "all_rows": jax.jit(every_row.full)}
-    states = {k: jax.block_until_ready(f(state, trainer.target, trainer.batch(0))[0])
-              for k, f in steps.items()}  # compile
+def _paired_rounds(trainer, steps: dict, n: int) -> dict:
+    """Per-step seconds of each {name: (jitted step, state)} on the same data, in rounds of
+    20 steps alternating which goes first (machine noise moves them alike); -> {name: [s per
+    round]}. Each compiles on an untimed step first."""
+    states = {k: jax.block_until_ready(f(st, trainer.target, trainer.batch(0))[0])
+              for k, (f, st) in steps.items()}
     times = {k: [] for k in steps}
     for r in range(max(1, n // 20)):
         for k in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
             st, t = states[k], time.perf_counter()
             for i in range(20):
-                st = steps[k](st, trainer.target, trainer.batch(i))[0]
+                st = steps[k][0](st, trainer.target, trainer.batch(i))[0]
             states[k] = jax.block_until_ready(st)
             times[k].append((time.perf_counter() - t) / 20)
-    ratio = np.array(times["live_rows"]) / np.array(times["all_rows"])
+    return times
+
+
+def _ab_report(times: dict, a: str, b: str, ratio: str) -> dict:
+    """Median step ms of `a` and `b` and the median of their per-round ratios."""
+    return {f"{a}_step_ms": 1e3 * float(np.median(times[a])),
+            f"{b}_step_ms": 1e3 * float(np.median(times[b])),
+            ratio: float(np.median(np.array(times[a]) / np.array(times[b])))}
+
+
+def live_rows_ab(trainer, state, n: int) -> dict:
+    """When the step runs its recon on the live rows (decomp/live_rows.py): that step vs the
+    same step on every row; the median of the per-round ratios is the number to compare.
+    Empty when the step runs on every row anyway."""
+    dec = trainer.dec
+    if not dec.skip_dead_rows:
+        return {}
+    every_row = copy.copy(dec)
+    every_row.skip_dead_rows = False
+    times = _paired_rounds(trainer, {"live_rows": (jax.jit(dec.full), state),
+                                     "all_rows": (jax.jit(every_row.full), state)}, n)
     return {"live_rows_of_batch": dec.live_sizes[0],
-            "live_rows_step_ms": 1e3 * float(np.median(times["live_rows"])),
-            "all_rows_step_ms": 1e3 * float(np.median(times["all_rows"])),
-            "live_rows_ratio": float(np.median(ratio))}
+            **_ab_report(times, "live_rows", "all_rows", "live_rows_ratio")}
+
+
+def persistent_pgd_ab(trainer, state, n: int) -> dict:
+    """With persistent-PGD terms: the step vs the same step without them (nor their
+    adversaries), paired as in `live_rows_ab`: `persistent_pgd_ratio` is what the terms
+    cost. Empty without such terms."""
+    import dataclasses
+
+    from ppgd_tpu.step import Decomposer
+
+    cfg = trainer.cfg
+    if not cfg.loss.persistent_pgd:
+        return {}
+    plain_cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, persistent_pgd={}))
+    plain = Decomposer(plain_cfg, trainer.target, trainer.data.batch_shape)
+    no_adv = eqx.tree_at(lambda s: s.adversaries, state, {})
+    times = _paired_rounds(trainer, {"with_ppgd": (jax.jit(trainer.dec.full), state),
+                                     "without_ppgd": (jax.jit(plain.full), no_adv)}, n)
+    return _ab_report(times, "with_ppgd", "without_ppgd", "persistent_pgd_ratio")
 
 
 def ci_fn_split(trainer, state, n: int) -> dict:

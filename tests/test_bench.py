@@ -25,6 +25,20 @@ def test_bench_step_compares_the_live_rows_step_with_the_all_rows_step(capsys):
         assert float(report[key]) > 0
 
 
+def test_bench_step_compares_the_step_with_and_without_its_persistent_pgd_terms(capsys,
+                                                                              tmp_path):
+    """The persistent-PGD cost (issue: <= 1.15x) as a paired A/B in one process; a config
+    without such terms reports no such keys."""
+    cfg = tmp_path / "ppgd.yaml"
+    cfg.write_text("loss:\n  persistent_pgd:\n    adv: {scope: bsc, n_warmup: 2}\n")
+    assert cli.run(["bench", "step", f"--config={cfg}", *TINY, "--n_steps=20"]) == 0
+    report = dict(ln.split(None, 1) for ln in capsys.readouterr().out.splitlines() if ln.strip())
+    for key in ("with_ppgd_step_ms", "without_ppgd_step_ms", "persistent_pgd_ratio"):
+        assert float(report[key]) > 0
+    assert cli.run(["bench", "step", *TINY, "--n_steps=5"]) == 0
+    assert "persistent_pgd_ratio" not in capsys.readouterr().out
+
+
 def test_bench_ckpt_reports_blocking_commit_and_bytes(capsys, tmp_path):
     assert cli.run(["bench", "ckpt", *TINY, "--n_saves=2", f"--run_dir={tmp_path}",
                     "--data.train_batch_replay=4", "--data.replay_ci_update=mean",
