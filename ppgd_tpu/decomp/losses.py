@@ -100,7 +100,7 @@ def stochastic_masks(key, lower: dict[str, jax.Array], live: tuple[str, ...], ro
 
 
 def _stochastic_site_mask(key, lower, use_delta: bool, route, full, rows) -> SiteMask:
-    src = rng.uniform(key, (*full, lower.shape[-1] + 1), rows=rows)
+    src = rng.uniform(key, (*full, lower.shape[-1] + 1), rows=rows, once=True)
     return mask_from_source(lower, jax.lax.optimization_barrier(src), use_delta)._replace(
         route=route)
 

@@ -11,9 +11,10 @@ whose carries are copied every iteration: ~1.3 ms per such draw, a third of a TM
 same hash unrolled here fuses into one elementwise loop (~0.3 ms), and because it is the same
 function of (key, flat index) the bits, hence every trajectory, are unchanged [R1]; the
 counter is the element's flat index, so a draw does not depend on how it is sharded. On CPU
-each draw is also materialised once (see `uniform`): XLA:CPU otherwise recomputed the hash
-in every fusion reading the mask (TMS 5-2 ref step -14%, ResidMLP -7%). The toy batches
-(data/toy.py) draw their on/off and values the same way (TMS ref batch: 1.0 -> 0.19 ms).
+each mask draw is also materialised once (`uniform(once=True)`): XLA:CPU otherwise recomputed
+the hash in every fusion reading the mask (TMS 5-2 ref step -14%, ResidMLP -7%). The toy
+batches (data/toy.py) draw their on/off and values the same way, each read once (TMS ref
+batch: 1.0 -> 0.19 -> 0.09 ms).
 Keys stay JAX's (`fold_in`, `split`): their rolled loop materialises each key, whereas an
 unrolled key hash is a cheap scalar producer that XLA fuses into every element of the draws
 consuming it (measured: TMS step 12 -> 58 ms).
@@ -59,17 +60,19 @@ def normal(key, shape: tuple[int, ...]) -> jax.Array:
 
 
 def uniform(key, shape: tuple[int, ...], minval: float = 0.0, maxval: float = 1.0,
-            rows: jax.Array | None = None) -> jax.Array:
+            rows: jax.Array | None = None, once: bool = False) -> jax.Array:
     """float32 U[minval, maxval) of `shape` from a typed threefry key;
     == jax.random.uniform(key, shape, minval=minval, maxval=maxval) (in the same jit).
-    With `rows` (int [k]) only those indices of the first axis are drawn: == uniform(...)[rows]."""
+    With `rows` (int [k]) only those indices of the first axis are drawn: == uniform(...)[rows].
+    `once`: the draw is read by several fusions (a stochastic mask): on CPU compute it once
+    (below). Elsewhere that costs a pass (a toy batch's draws: 0.72 -> 0.46 ms a ResidMLP batch)."""
     n = math.prod(shape)
     if not _is_threefry(key) or n >= 2**32 - 1:
         out = jax.random.uniform(key, shape, minval=minval, maxval=maxval)
         return out if rows is None else out[rows]
     out_shape = shape if rows is None else (rows.shape[0], *shape[1:])
     # (with `rows` on a 1-D draw the pairs would straddle the picked elements: not paired)
-    paired = jax.default_backend() == "cpu" and len(shape) > (0 if rows is None else 1)
+    paired = once and jax.default_backend() == "cpu" and len(shape) > (0 if rows is None else 1)
     view = (*out_shape[:-1], -(-shape[-1] // 2), 2) if paired else out_shape
     k1, k2 = jax.random.key_data(key)
     x0, x1 = _threefry2x32(k1, k2, jnp.zeros(view, jnp.uint32), _flat_index(shape, view, rows))
