@@ -230,7 +230,7 @@ class EvalConfig:
     every: int = _f(1000, "fast-tier eval cadence in global steps (0 = only at the end)", lo=0)
     batch_size: int = _f(4096, "eval batch", lo=1)
     ci_alive_threshold: float = _f(0.1, "CI above this counts as active", lo=0.0, hi=1.0)
-    identity_tol: float = _f(0.1, "tolerance of the identity-CI error", lo=0.0, hi=1.0)
+    identity_tol: float = _f(0.1, "tolerance of the identity- and dense-CI errors", lo=0.0, hi=1.0)
     pgd_steps: int = _f(20, "fresh sign-PGD probe steps", lo=0)
     pgd_step_size: float = _f(0.1, "fresh sign-PGD probe step size", lo=0.0)
     figures: bool = _f(True, "write the slow-tier PNG figures at the end")

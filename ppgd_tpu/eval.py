@@ -7,7 +7,8 @@ Recon metrics are the divergence of a masked forward against the clean output:
 `zero` (every decomposed site outputs 0) for scale. LMs name them `eval/kl/<kind>`, add
 `rounded` (mask = round(CI lower)) and the next-token CE of every kind and of the clean
 model (`eval/ce/<kind>`, `eval/ce/clean`). Toys with known features add, on the
-one-hot inputs 0.75 e_i, the identity-CI error and MMCS (TOYS.md, "Metrics").
+one-hot inputs 0.75 e_i, the CI-L0 there, the identity-CI error and MMCS (TOYS.md,
+"Metrics"), and the dense-CI error of sites that should be one rank-k mechanism.
 """
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ def identity_ci_error(ci: np.ndarray, tol: float) -> int:
     return int(np.sum(ci[diag] < 1 - tol) + np.sum(ci[~diag] > tol))
 
 
+def dense_ci_error(ci: np.ndarray, k: int, tol: float) -> int:
+    """CI [n_features, C] on the one-hot inputs against k components carrying the site (one
+    rank-k mechanism split into k rank-1 parts, e.g. a hidden identity or ResidMLP's W_out:
+    SPD paper Fig. 8, 12), as the SPD reference's dense pattern counts it: with the columns
+    ordered by CI mass, each of the k densest with no entry >= 1 - tol, plus every entry
+    above tol in the others. 0 is perfect. How co-active the k are is the one-hot CI-L0."""
+    order = np.argsort(-ci.sum(axis=0), kind="stable")
+    dense, rest = ci[:, order[:k]], ci[:, order[k:]]
+    return int(np.sum(~np.any(dense >= 1 - tol, axis=0)) + np.sum(rest > tol))
+
+
 def mmcs(V: np.ndarray, U: np.ndarray, W: np.ndarray) -> float:
     """Mean over rows f of W of max over c of cos(V[f, c] U[c, :], W[f, :]) (TOYS.md); for a
     site whose features index columns, call it on the transposes."""
@@ -119,6 +131,9 @@ def host_metrics(dec: Decomposer, state: TrainState, target: Target, onehot: dic
         approx = (V[:, alive] @ U[alive]) if alive.any() else np.zeros_like(weights[s])
         out[f"eval/alive_sum_rel_error/{s}"] = float(
             np.linalg.norm(approx - weights[s]) / (np.linalg.norm(weights[s]) + 1e-12))
+        if onehot is not None:
+            out[f"eval/onehot_ci_l0/{s}"] = float(np.mean(np.sum(
+                np.asarray(onehot[s]) > dec.cfg.eval.ci_alive_threshold, axis=-1)))
         if onehot is not None and s in target.identity_ci_sites:
             out[f"eval/identity_ci_error/{s}"] = identity_ci_error(
                 np.asarray(onehot[s]), dec.cfg.eval.identity_tol)
@@ -127,6 +142,9 @@ def host_metrics(dec: Decomposer, state: TrainState, target: Target, onehot: dic
                 out[f"eval/mmcs/{s}"] = mmcs(V, U, W)
             elif W.shape[1] == target.n_features:  # features index columns (TMS linear2)
                 out[f"eval/mmcs/{s}"] = mmcs(U.T, V.T, W.T)
+        if onehot is not None and s in target.dense_ci_sites:
+            out[f"eval/dense_ci_error/{s}"] = dense_ci_error(
+                np.asarray(onehot[s]), target.dense_ci_sites[s], dec.cfg.eval.identity_tol)
     return out
 
 

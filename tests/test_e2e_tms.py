@@ -1,6 +1,7 @@
 """End to end: decompose TMS 5-2 from scratch and recover its 5 features on both matrices
-(SPD paper, Table 1). Also checks that the metrics CAN fail: without the sparsity penalty,
-or with one far too strong, the same numbers break."""
+(SPD paper, Table 1), and TMS 5-2-identity's hidden identity as exactly 2 components that sum
+to I (Fig. 3). Also checks that the metrics CAN fail: without the sparsity penalty, or with
+one far too strong, the same numbers break."""
 
 import json
 
@@ -13,9 +14,9 @@ FAST = ["--decomp.steps=4000", "--decomp.lr_components.value=3e-3",
         "--log.progress=false", "--log.tensorboard=false", "--log.every=500"]
 
 
-def _summary(tmp_path, name, extra):
+def _summary(tmp_path, name, extra, config="tms_5-2"):
     run_dir = tmp_path / name
-    assert cli.run(["train", "--config=configs/tms_5-2.yaml", f"--run_dir={run_dir}",
+    assert cli.run(["train", f"--config=configs/{config}.yaml", f"--run_dir={run_dir}",
                     *FAST, *extra]) == 0
     return json.load(open(run_dir / "summary.json"))
 
@@ -35,3 +36,15 @@ def test_wrong_sparsity_penalty_breaks_the_metrics(tmp_path, coeff, name):
     broken = any(s[f"eval/alive/{site}"] != 5 or s[f"eval/identity_ci_error/{site}"] > 0
                  for site in ("linear1", "linear2"))
     assert broken, s
+
+
+@pytest.mark.parametrize("coeff,ok", [(3e-3, True), (0.0, False)])
+def test_tms_5_2_identity_hidden_layer_is_2_components(tmp_path, coeff, ok):
+    """The hidden 2x2 identity is one rank-2 mechanism: exactly 2 components carry it
+    (dense-CI error 0) and their sum is I; without imp-min more components stay on."""
+    s = _summary(tmp_path, f"id_{coeff}", [f"--loss.imp_min.coeff={coeff}"],
+                 config="tms_5-2-identity")
+    site = "hidden_layers.0"
+    held = (s[f"eval/alive/{site}"] == 2 and s[f"eval/dense_ci_error/{site}"] == 0
+            and s[f"eval/alive_sum_rel_error/{site}"] < 0.05)
+    assert held == ok, s

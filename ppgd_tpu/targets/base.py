@@ -133,3 +133,9 @@ class Target(eqx.Module):
     def identity_ci_sites(self) -> tuple[str, ...]:
         """Sites whose ideal CI pattern on one-hot inputs is the identity."""
         return ()
+
+    @property
+    def dense_ci_sites(self) -> dict[str, int]:
+        """{site: k} for sites that are one rank-k mechanism (TOYS.md ground truth): ideally
+        exactly k components carry them on the one-hot inputs, mostly co-active."""
+        return {}

@@ -48,6 +48,11 @@ class ResidMLP(Target):
     def identity_ci_sites(self):
         return ("layers.0.mlp_in",)
 
+    @property
+    def dense_ci_sites(self):
+        """Each W_out is one rank-d_mlp mechanism (SPD paper, Fig. 8)."""
+        return {f"layers.{i}.mlp_out": w.shape[0] for i, w in enumerate(self.W_out)}
+
     def sample(self, key, batch: int):
         return sparse_features(key, batch, self.n_features, self.feature_probability, -1.0, 1.0)
 

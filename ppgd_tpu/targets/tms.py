@@ -45,6 +45,11 @@ class TMS(Target):
     def identity_ci_sites(self):
         return ("linear1", "linear2")
 
+    @property
+    def dense_ci_sites(self):
+        """Each hidden identity [m, m] is m components that sum to I."""
+        return {f"hidden_layers.{i}": self.W.shape[1] for i in range(self.n_identity)}
+
     def sample(self, key, batch: int):
         return sparse_features(key, batch, self.W.shape[0], self.feature_probability, 0.0, 1.0)
 

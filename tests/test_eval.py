@@ -1,0 +1,38 @@
+"""The one-hot CI pattern metrics (TOYS.md "Metrics"), against hand-built CI matrices whose
+error is counted by hand."""
+
+import numpy as np
+
+from ppgd_tpu import eval as eval_lib
+
+TOL = 0.1
+
+
+def test_identity_ci_error_counts_after_the_best_permutation():
+    ci = np.zeros((4, 6))
+    ci[[0, 1, 2, 3], [5, 0, 3, 1]] = 1.0  # the identity, columns shuffled, 2 spare columns
+    assert eval_lib.identity_ci_error(ci, TOL) == 0
+    ci[2, 3] = 0.85  # a weak diagonal entry
+    ci[0, 2] = 0.3  # a second component on for feature 0
+    assert eval_lib.identity_ci_error(ci, TOL) == 2
+
+
+def test_dense_ci_error_counts_missing_and_extra_components():
+    rng = np.random.default_rng(0)
+    n, C, k = 10, 12, 4
+    ci = rng.uniform(0.0, 0.05, (n, C))
+    dense = [7, 1, 10, 3]
+    ci[:, dense] = rng.uniform(0.95, 1.0, (n, k))
+    assert eval_lib.dense_ci_error(ci, k, TOL) == 0
+    assert eval_lib.dense_ci_error(ci, k - 1, TOL) == n  # one always-on column too many
+    assert eval_lib.dense_ci_error(ci, k + 1, TOL) == 1  # a dense column missing
+
+    # The k need not all be on for every input (a hidden identity: a feature along one
+    # component's direction needs only that one), but each must be fully on somewhere.
+    partial = ci.copy()
+    partial[: n // 2, 7] = 0.0
+    assert eval_lib.dense_ci_error(partial, k, TOL) == 0
+    partial[:, 1] = 0.5  # on for every feature but never fully: counts once
+    assert eval_lib.dense_ci_error(partial, k, TOL) == 1
+    partial[:3, 0] = 0.2  # a fifth component weakly on for 3 features
+    assert eval_lib.dense_ci_error(partial, k, TOL) == 1 + 3
