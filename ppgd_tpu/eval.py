@@ -131,20 +131,20 @@ def host_metrics(dec: Decomposer, state: TrainState, target: Target, onehot: dic
         approx = (V[:, alive] @ U[alive]) if alive.any() else np.zeros_like(weights[s])
         out[f"eval/alive_sum_rel_error/{s}"] = float(
             np.linalg.norm(approx - weights[s]) / (np.linalg.norm(weights[s]) + 1e-12))
-        if onehot is not None:
+        ci = None if onehot is None else np.asarray(onehot[s])
+        if ci is not None:
             out[f"eval/onehot_ci_l0/{s}"] = float(np.mean(np.sum(
-                np.asarray(onehot[s]) > dec.cfg.eval.ci_alive_threshold, axis=-1)))
-        if onehot is not None and s in target.identity_ci_sites:
-            out[f"eval/identity_ci_error/{s}"] = identity_ci_error(
-                np.asarray(onehot[s]), dec.cfg.eval.identity_tol)
+                ci > dec.cfg.eval.ci_alive_threshold, axis=-1)))
+        if ci is not None and s in target.identity_ci_sites:
+            out[f"eval/identity_ci_error/{s}"] = identity_ci_error(ci, dec.cfg.eval.identity_tol)
             W = weights[s]
             if W.shape[0] == target.n_features:  # features index rows (e.g. TMS linear1)
                 out[f"eval/mmcs/{s}"] = mmcs(V, U, W)
             elif W.shape[1] == target.n_features:  # features index columns (TMS linear2)
                 out[f"eval/mmcs/{s}"] = mmcs(U.T, V.T, W.T)
-        if onehot is not None and s in target.dense_ci_sites:
+        if ci is not None and s in target.dense_ci_sites:
             out[f"eval/dense_ci_error/{s}"] = dense_ci_error(
-                np.asarray(onehot[s]), target.dense_ci_sites[s], dec.cfg.eval.identity_tol)
+                ci, target.dense_ci_sites[s], dec.cfg.eval.identity_tol)
     return out
 
 

@@ -96,8 +96,9 @@ def test_run_dir_holds_config_metrics_summary_figures(finished_run):
     assert [r["step"] for r in evals] == [30, 60]
     summary = json.load(open(finished_run / "summary.json"))
     for key in ["eval/ci_l0/linear1", "eval/alive/linear2", "eval/identity_ci_error/linear1",
-                "eval/mmcs/linear1", "eval/onehot_ci_l0/linear2", "eval/recon/unmasked", "eval/recon/ci_masked",
-                "eval/recon/stochastic", "eval/recon/pgd", "eval/recon/zero"]:
+                "eval/mmcs/linear1", "eval/onehot_ci_l0/linear2", "eval/recon/unmasked",
+                "eval/recon/ci_masked", "eval/recon/stochastic", "eval/recon/pgd",
+                "eval/recon/zero"]:
         assert key in summary, key
     assert summary["eval/recon/zero"] > summary["eval/recon/unmasked"]
     figs = set(os.listdir(finished_run / "figures"))
