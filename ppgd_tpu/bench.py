@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import resource
@@ -200,8 +201,6 @@ def persistent_pgd_ab(trainer, state, n: int) -> dict:
     """With persistent-PGD terms: the step vs the same step without them (nor their
     adversaries), paired as in `live_rows_ab`: `persistent_pgd_ratio` is what the terms
     cost. Empty without such terms."""
-    import dataclasses
-
     from ppgd_tpu.step import Decomposer
 
     cfg = trainer.cfg
