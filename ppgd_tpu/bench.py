@@ -34,6 +34,7 @@ import time
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ppgd_tpu import cli
@@ -159,9 +160,13 @@ def bench_step(args: list[str]) -> int:
 
 
 def _paired_rounds(trainer, steps: dict, n: int) -> dict:
-    """Per-step seconds of each {name: (jitted step, state)} on the same data, in rounds of
-    20 steps alternating which goes first (machine noise moves them alike); -> {name: [s per
-    round]}. Each compiles on an untimed step first."""
+    """Per-step seconds of each {name: (step fn, state)} on the same data, in rounds of 20
+    steps alternating which goes first (machine noise moves them alike); -> {name: [s per
+    round]}. Each is jitted as the loop jits its steps, donating its own copy of the state
+    (a donated state's outputs are written into its buffers: with the live-rows switch that
+    is one more pass over each `bsc` adversary array), and compiles on an untimed step."""
+    steps = {k: (jax.jit(f, donate_argnums=0), jax.tree.map(jnp.copy, st))
+             for k, (f, st) in steps.items()}
     states = {k: jax.block_until_ready(f(st, trainer.target, trainer.batch(0))[0])
               for k, (f, st) in steps.items()}
     times = {k: [] for k in steps}
@@ -191,8 +196,8 @@ def live_rows_ab(trainer, state, n: int) -> dict:
         return {}
     every_row = copy.copy(dec)
     every_row.skip_dead_rows = False
-    times = _paired_rounds(trainer, {"live_rows": (jax.jit(dec.full), state),
-                                     "all_rows": (jax.jit(every_row.full), state)}, n)
+    times = _paired_rounds(trainer, {"live_rows": (dec.full, state),
+                                     "all_rows": (every_row.full, state)}, n)
     return {"live_rows_of_batch": dec.live_sizes[0],
             **_ab_report(times, "live_rows", "all_rows", "live_rows_ratio")}
 
@@ -209,8 +214,8 @@ def persistent_pgd_ab(trainer, state, n: int) -> dict:
     plain_cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, persistent_pgd={}))
     plain = Decomposer(plain_cfg, trainer.target, trainer.data.batch_shape)
     no_adv = eqx.tree_at(lambda s: s.adversaries, state, {})
-    times = _paired_rounds(trainer, {"with_ppgd": (jax.jit(trainer.dec.full), state),
-                                     "without_ppgd": (jax.jit(plain.full), no_adv)}, n)
+    times = _paired_rounds(trainer, {"with_ppgd": (trainer.dec.full, state),
+                                     "without_ppgd": (plain.full, no_adv)}, n)
     return _ab_report(times, "with_ppgd", "without_ppgd", "persistent_pgd_ratio")
 
 
@@ -243,8 +248,6 @@ def ci_fn_split(trainer, state, n: int) -> dict:
 def bench_replay(args: list[str]) -> int:
     """Replay A/B in one process: the full vs the repeat step, and the per-step time of whole
     windows of k steps in every mode relative to `every` (compiles excluded)."""
-    import jax.numpy as jnp
-
     from ppgd_tpu import config as config_lib
     from ppgd_tpu.engine import Trainer
     from ppgd_tpu.replay import ReplayController
