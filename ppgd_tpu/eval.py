@@ -8,7 +8,8 @@ Recon metrics are the divergence of a masked forward against the clean output:
 `rounded` (mask = round(CI lower)) and the next-token CE of every kind and of the clean
 model (`eval/ce/<kind>`, `eval/ce/clean`). Toys with known features add, on the
 one-hot inputs 0.75 e_i, the CI-L0 there, the identity-CI error and MMCS (TOYS.md,
-"Metrics"), and the dense-CI error of sites that should be one rank-k mechanism.
+"Metrics"), the dense-CI error of sites that should be one rank-k mechanism, and how
+closely the components of a site reading a ReLU layer each read one neuron.
 """
 
 from __future__ import annotations
@@ -110,6 +111,20 @@ def dense_ci_error(ci: np.ndarray, k: int, tol: float) -> int:
     return int(np.sum(~np.any(dense >= 1 - tol, axis=0)) + np.sum(rest > tol))
 
 
+def neuron_alignment(V: np.ndarray, alive: np.ndarray) -> float:
+    """Mean over the alive components c of max_n |V[n, c]| / |V[:, c]|, for a site whose
+    input units are neurons: 1 when each component reads one neuron (ResidMLP's W_out split
+    along its neurons, each component then on only when its neuron fires), ~sqrt(2 ln d / d)
+    (0.4 for d = 50) when they read random directions (the same W_out as one rotated rank-d
+    block, every component on whenever any neuron fires). 0.0 with nothing alive."""
+    if not alive.any():
+        return 0.0
+    a = np.abs(V[:, alive])
+    norm = np.linalg.norm(a, axis=0)  # a zero column reads nothing: 0
+    return float(np.mean(np.divide(a.max(axis=0), norm, out=np.zeros_like(norm),
+                                   where=norm > 0)))
+
+
 def mmcs(V: np.ndarray, U: np.ndarray, W: np.ndarray) -> float:
     """Mean over rows f of W of max over c of cos(V[f, c] U[c, :], W[f, :]) (TOYS.md); for a
     site whose features index columns, call it on the transposes."""
@@ -142,6 +157,8 @@ def host_metrics(dec: Decomposer, state: TrainState, target: Target, onehot: dic
                 out[f"eval/mmcs/{s}"] = mmcs(V, U, W)
             elif W.shape[1] == target.n_features:  # features index columns (TMS linear2)
                 out[f"eval/mmcs/{s}"] = mmcs(U.T, V.T, W.T)
+        if s in target.neuron_input_sites:
+            out[f"eval/neuron_alignment/{s}"] = neuron_alignment(V, alive)
         if ci is not None and s in target.dense_ci_sites:
             out[f"eval/dense_ci_error/{s}"] = dense_ci_error(
                 ci, target.dense_ci_sites[s], dec.cfg.eval.identity_tol)

@@ -105,6 +105,24 @@ def test_run_dir_holds_config_metrics_summary_figures(finished_run):
     assert {"ci_per_feature.png", "component_weights.png", "ci_histograms.png"} <= figs
 
 
+def test_resid_mlp1_config_trains_its_target_and_reports_its_site_metrics(tmp_path):
+    """configs/resid_mlp1.yaml end to end, briefly: the target is trained, validated and
+    decomposed, and each site gets the one-hot metrics of its ground truth - the identity
+    on mlp_in, one rank-50 mechanism on mlp_out, whose input units are neurons."""
+    run_dir = tmp_path / "resid"
+    assert cli.run(["train", "--config=configs/resid_mlp1.yaml", f"--run_dir={run_dir}",
+                    *TINY, "--eval.figures=false"]) == 0
+    s = json.load(open(run_dir / "summary.json"))
+    assert s["eval/identity_ci_error/layers.0.mlp_in"] >= 0
+    assert s["eval/dense_ci_error/layers.0.mlp_out"] >= 0
+    assert 0.0 < s["eval/neuron_alignment/layers.0.mlp_out"] <= 1.0
+    for key in ("eval/identity_ci_error/layers.0.mlp_out", "eval/dense_ci_error/layers.0.mlp_in",
+                "eval/neuron_alignment/layers.0.mlp_in", "eval/mmcs/layers.0.mlp_out"):
+        assert key not in s, key
+    d = load_decomposition(str(run_dir))
+    assert d["layers.0.mlp_out"]["V"].shape == (50, 100)
+
+
 def test_load_decomposition_returns_numpy_components(finished_run):
     d = load_decomposition(str(finished_run))
     assert set(d) == {"linear1", "linear2"}

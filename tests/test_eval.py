@@ -36,3 +36,18 @@ def test_dense_ci_error_counts_missing_and_extra_components():
     assert eval_lib.dense_ci_error(partial, k, TOL) == 1
     partial[:3, 0] = 0.2  # a fifth component weakly on for 3 features
     assert eval_lib.dense_ci_error(partial, k, TOL) == 1 + 3
+
+
+def test_neuron_alignment_is_one_for_components_reading_one_neuron_each():
+    d = 50
+    V = np.zeros((d, 60))
+    V[np.arange(d), np.arange(d)] = np.linspace(0.5, 2.0, d)  # one neuron each, any scale
+    V[:, d:] = 1.0  # ten dead components reading everything
+    alive = np.arange(60) < d
+    assert eval_lib.neuron_alignment(V, alive) == 1.0
+    R = np.linalg.qr(np.random.default_rng(0).normal(size=(d, d)))[0]
+    rotated = eval_lib.neuron_alignment(V[:, :d] @ R, alive[:d])  # the same span, rotated
+    assert 0.25 < rotated < 0.6
+    two = np.array([[3.0, 0.0], [4.0, 1.0]])  # |V| 5 with max 4; one neuron: 1
+    assert np.isclose(eval_lib.neuron_alignment(two, np.array([True, True])), (0.8 + 1.0) / 2)
+    assert eval_lib.neuron_alignment(two, np.array([False, False])) == 0.0

@@ -139,3 +139,9 @@ class Target(eqx.Module):
         """{site: k} for sites that are one rank-k mechanism (TOYS.md ground truth): ideally
         exactly k components carry them on the one-hot inputs, mostly co-active."""
         return {}
+
+    @property
+    def neuron_input_sites(self) -> tuple[str, ...]:
+        """Sites whose input is a ReLU layer's output: a privileged basis, where a component
+        reading one unit is off (reads 0) whenever that unit is."""
+        return ()

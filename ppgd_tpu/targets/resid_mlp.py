@@ -53,6 +53,10 @@ class ResidMLP(Target):
         """Each W_out is one rank-d_mlp mechanism (SPD paper, Fig. 8)."""
         return {f"layers.{i}.mlp_out": w.shape[0] for i, w in enumerate(self.W_out)}
 
+    @property
+    def neuron_input_sites(self):
+        return tuple(f"layers.{i}.mlp_out" for i in range(len(self.W_out)))
+
     def sample(self, key, batch: int):
         return sparse_features(key, batch, self.n_features, self.feature_probability, -1.0, 1.0)
 
