@@ -114,8 +114,8 @@ def dense_ci_error(ci: np.ndarray, k: int, tol: float) -> int:
 def neuron_alignment(V: np.ndarray, alive: np.ndarray) -> float:
     """Mean over the alive components c of max_n |V[n, c]| / |V[:, c]|, for a site whose
     input units are neurons: 1 when each component reads one neuron (ResidMLP's W_out split
-    along its neurons, each component then on only when its neuron fires), ~sqrt(2 ln d / d)
-    (0.4 for d = 50) when they read random directions (the same W_out as one rotated rank-d
+    along its neurons, each component then on only when its neuron fires), ~0.36 for d = 50
+    when they read the directions of a random rotation (the same W_out as one rotated rank-d
     block, every component on whenever any neuron fires). 0.0 with nothing alive."""
     if not alive.any():
         return 0.0
