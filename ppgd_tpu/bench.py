@@ -5,7 +5,9 @@
   step time (the same steps inside one jitted fori_loop), host overhead share
   = 1 - device_only / loop, steps/s and peak RSS; where the step runs its recon on the
   live rows only (decomp/live_rows.py), that step vs the same step on every row, paired;
-  with persistent-PGD terms, the step vs the same step without them, paired.
+  with persistent-PGD terms, the step vs the same step without them, paired (without a
+  live-rows switch also XLA's FLOP count of each, and the rate the terms' added FLOPs run
+  at next to a 2048^3 matmul's).
   With `--devices 1,4` it instead runs itself once per device count (forced CPU devices in
   a subprocess) and compares the per-device memory of the placed train state: sharded
   leaves shrink with the device count, replicated ones do not. `--timing=false` reports
@@ -159,15 +161,25 @@ def bench_step(args: list[str]) -> int:
     return 0
 
 
-def _paired_rounds(trainer, steps: dict, n: int) -> dict:
+def _xla_gflop(compiled) -> float:
+    """XLA's static FLOP count of one call of a compiled program, in GFLOP. A conditional
+    counts as its costliest branch: a live-rows step counts as its every-row fallback."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # older jaxlibs: one per device
+    return float(cost.get("flops", 0.0)) / 1e9
+
+
+def _paired_rounds(trainer, steps: dict, n: int) -> tuple[dict, dict]:
     """Per-step seconds of each {name: (step fn, state)} on the same data, in rounds of 20
-    steps alternating which goes first (machine noise moves them alike); -> {name: [s per
-    round]}. Each is jitted as the loop jits its steps, donating its own copy of the state
-    (a donated state's outputs are written into its buffers: with the live-rows switch that
-    is one more pass over each `bsc` adversary array), and compiles on an untimed step."""
-    steps = {k: (jax.jit(f, donate_argnums=0), jax.tree.map(jnp.copy, st))
-             for k, (f, st) in steps.items()}
-    states = {k: jax.block_until_ready(f(st, trainer.target, trainer.batch(0))[0])
+    steps alternating which goes first (machine noise moves them alike); -> ({name: [s per
+    round]}, {name: GFLOP per step}). Each is compiled as the loop jits its steps, donating
+    its own copy of the state (a donated state's outputs are written into its buffers: with
+    the live-rows switch that is one more pass over each `bsc` adversary array)."""
+    batch0 = trainer.batch(0)
+    steps = {k: (jax.jit(f, donate_argnums=0).lower(st, trainer.target, batch0).compile(),
+                 jax.tree.map(jnp.copy, st)) for k, (f, st) in steps.items()}
+    gflop = {k: _xla_gflop(f) for k, (f, _) in steps.items()}
+    states = {k: jax.block_until_ready(f(st, trainer.target, batch0)[0])
               for k, (f, st) in steps.items()}
     times = {k: [] for k in steps}
     for r in range(max(1, n // 20)):
@@ -177,7 +189,7 @@ def _paired_rounds(trainer, steps: dict, n: int) -> dict:
                 st = steps[k][0](st, trainer.target, trainer.batch(i))[0]
             states[k] = jax.block_until_ready(st)
             times[k].append((time.perf_counter() - t) / 20)
-    return times
+    return times, gflop
 
 
 def _ab_report(times: dict, a: str, b: str, ratio: str) -> dict:
@@ -196,8 +208,8 @@ def live_rows_ab(trainer, state, n: int) -> dict:
         return {}
     every_row = copy.copy(dec)
     every_row.skip_dead_rows = False
-    times = _paired_rounds(trainer, {"live_rows": (dec.full, state),
-                                     "all_rows": (every_row.full, state)}, n)
+    times, _ = _paired_rounds(trainer, {"live_rows": (dec.full, state),
+                                        "all_rows": (every_row.full, state)}, n)
     return {"live_rows_of_batch": dec.live_sizes[0],
             **_ab_report(times, "live_rows", "all_rows", "live_rows_ratio")}
 
@@ -205,7 +217,9 @@ def live_rows_ab(trainer, state, n: int) -> dict:
 def persistent_pgd_ab(trainer, state, n: int) -> dict:
     """With persistent-PGD terms: the step vs the same step without them (nor their
     adversaries), paired as in `live_rows_ab`: `persistent_pgd_ratio` is what the terms
-    cost. Empty without such terms."""
+    cost. Without a live-rows switch also XLA's FLOP count of each and the rate the terms'
+    added FLOPs run at: how far the ratio could fall by running them faster. Empty without
+    such terms."""
     from ppgd_tpu.step import Decomposer
 
     cfg = trainer.cfg
@@ -214,9 +228,30 @@ def persistent_pgd_ab(trainer, state, n: int) -> dict:
     plain_cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, persistent_pgd={}))
     plain = Decomposer(plain_cfg, trainer.target, trainer.data.batch_shape)
     no_adv = eqx.tree_at(lambda s: s.adversaries, state, {})
-    times = _paired_rounds(trainer, {"with_ppgd": (trainer.dec.full, state),
-                                     "without_ppgd": (plain.full, no_adv)}, n)
-    return _ab_report(times, "with_ppgd", "without_ppgd", "persistent_pgd_ratio")
+    times, gflop = _paired_rounds(trainer, {"with_ppgd": (trainer.dec.full, state),
+                                            "without_ppgd": (plain.full, no_adv)}, n)
+    report = _ab_report(times, "with_ppgd", "without_ppgd", "persistent_pgd_ratio")
+    if trainer.dec.skip_dead_rows or plain.skip_dead_rows:
+        return report  # XLA would count the live-rows switch as its every-row fallback
+    report.update({f"{k}_xla_gflop": v for k, v in gflop.items()})
+    added_s = 1e-3 * (report["with_ppgd_step_ms"] - report["without_ppgd_step_ms"])
+    if added_s > 0:  # the rate the terms' own work runs at, against the best matmul rate
+        report["ppgd_added_gflop_per_s"] = (gflop["with_ppgd"] - gflop["without_ppgd"]) / added_s
+        report["matmul_2048_gflop_per_s"] = matmul_rate(2048)
+    return report
+
+
+def matmul_rate(n: int, reps: int = 10) -> float:
+    """GFLOP/s of an fp32 [n, n] x [n, n] matmul (best of `reps`): a roofline for the rest."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(jnp.matmul)
+    jax.block_until_ready(f(a, a))
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(a, a))
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
 
 
 def ci_fn_split(trainer, state, n: int) -> dict:

@@ -27,14 +27,16 @@ def test_bench_step_compares_the_live_rows_step_with_the_all_rows_step(capsys):
 
 def test_bench_step_compares_the_step_with_and_without_its_persistent_pgd_terms(capsys,
                                                                               tmp_path):
-    """The persistent-PGD cost (issue: <= 1.15x) as a paired A/B in one process; a config
-    without such terms reports no such keys."""
+    """The persistent-PGD cost (issue: <= 1.15x) as a paired A/B in one process, with XLA's
+    FLOP count of each step; a config without such terms reports no such keys."""
     cfg = tmp_path / "ppgd.yaml"
     cfg.write_text("loss:\n  persistent_pgd:\n    adv: {scope: bsc, n_warmup: 2}\n")
     assert cli.run(["bench", "step", f"--config={cfg}", *TINY, "--n_steps=20"]) == 0
     report = dict(ln.split(None, 1) for ln in capsys.readouterr().out.splitlines() if ln.strip())
     for key in ("with_ppgd_step_ms", "without_ppgd_step_ms", "persistent_pgd_ratio"):
         assert float(report[key]) > 0
+    # XLA's count of the work: the term adds its n_warmup + 1 masked forwards and backwards
+    assert float(report["with_ppgd_xla_gflop"]) > float(report["without_ppgd_xla_gflop"]) > 0
     assert cli.run(["bench", "step", *TINY, "--n_steps=5"]) == 0
     assert "persistent_pgd_ratio" not in capsys.readouterr().out
 
