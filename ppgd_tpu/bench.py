@@ -55,11 +55,11 @@ def state_bytes_per_device(state) -> tuple[int, int]:
     return max(per.values()), sum(per.values())
 
 
-def _devices_ab(args: list[str], counts: str) -> int:
+def _devices_ab(args: list[str], counts: list[int]) -> int:
     """One `bench step` subprocess per device count; a table of state memory per device."""
     rows = {}
     own = [a for a in cli._join_values(args, ["devices"]) if not a.startswith("--devices")]
-    for n in [int(c) for c in counts.split(",")]:
+    for n in counts:
         env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
                "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         proc = subprocess.run([sys.executable, "-m", "ppgd_tpu.cli", "bench", "step", *own],
@@ -82,14 +82,14 @@ def bench_step(args: list[str]) -> int:
     from ppgd_tpu.engine import Trainer
 
     cfg, extra = cli.parse_config_args(args, {
-        "n_steps": ("200", "timed steps per measurement"),
-        "devices": ("", "comma-separated device counts: compare state memory per device"),
-        "timing": ("true", "time the steps (false: the placed state's memory only)")})
-    if extra["timing"] not in ("true", "false"):
-        raise cli.UsageError(f"bench step: --timing={extra['timing']!r}; use true or false")
+        "n_steps": ("200", "timed steps per measurement", cli.count),
+        "devices": ("", "comma-separated device counts: compare state memory per device",
+                    cli.counts),
+        "timing": ("true", "time the steps (false: the placed state's memory only)",
+                   cli.choice("true", "false"))})
     if extra["devices"]:
         return _devices_ab(args, extra["devices"])
-    n = int(extra["n_steps"])
+    n = extra["n_steps"]
     trainer = Trainer(cfg)
     target, dec = trainer.target, trainer.dec
     state = trainer.init_state()
@@ -288,9 +288,10 @@ def bench_replay(args: list[str]) -> int:
     from ppgd_tpu.replay import ReplayController
     from ppgd_tpu.step import Decomposer
 
-    cfg, extra = cli.parse_config_args(args, {"k": ("4", "replay window length"),
-                                              "windows": ("3", "timed windows per mode")})
-    k, windows = int(extra["k"]), int(extra["windows"])
+    cfg, extra = cli.parse_config_args(args, {
+        "k": ("4", "replay window length", cli.count),
+        "windows": ("3", "timed windows per mode", cli.count)})
+    k, windows = extra["k"], extra["windows"]
 
     def with_mode(mode):
         return config_lib.with_overrides(cfg, {
@@ -329,10 +330,9 @@ def bench_run(args: list[str]) -> int:
     `warm` a repeat run (one untimed run fills a fresh cache first); `off` runs without one."""
     cfg, extra = cli.parse_config_args(args, {
         "run_dir": ("", "run dir (default: a temp dir)"),
-        "compile_cache": ("cold", "cold: first run; warm: a repeat run; off: no cache")})
+        "compile_cache": ("cold", "cold: first run; warm: a repeat run; off: no cache",
+                          cli.choice("cold", "warm", "off"))})
     mode = extra["compile_cache"]
-    if mode not in ("cold", "warm", "off"):
-        raise cli.UsageError(f"bench run: --compile_cache={mode!r}; use cold, warm or off")
     run_dir = extra["run_dir"] or tempfile.mkdtemp(prefix="ppgd-bench-run-")
     own = [a for a in args if not a.startswith(("--run_dir", "--compile_cache"))]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
@@ -372,7 +372,7 @@ def bench_ckpt(args: list[str]) -> int:
     from ppgd_tpu import checkpoint, resume
     from ppgd_tpu.engine import Trainer
 
-    cfg, extra = cli.parse_config_args(args, {"n_saves": ("5", "saves to time"),
+    cfg, extra = cli.parse_config_args(args, {"n_saves": ("5", "saves to time", cli.count),
                                               "run_dir": ("", "where to write (default: temp)")})
     run_dir = extra["run_dir"] or tempfile.mkdtemp(prefix="ppgd-bench-ckpt-")
     trainer = Trainer(cfg)
@@ -380,7 +380,7 @@ def bench_ckpt(args: list[str]) -> int:
     k = cfg.data.train_batch_replay
     block, commit, sizes, window_bytes = [], [], [], []
     with checkpoint.Checkpointer(run_dir, keep_last_n=2) as saver:
-        for i in range(int(extra["n_saves"])):
+        for i in range(extra["n_saves"]):
             for s in range(i * k, i * k + k // 2 + 1):  # stop mid-window when k > 1
                 state, _ = trainer.replay.step(s, state, trainer.target, trainer.batch(s // k))
             leaves = resume.checkpoint_leaves(state, trainer.replay)

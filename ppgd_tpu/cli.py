@@ -74,10 +74,36 @@ def _define(fv: flags.FlagValues, path: str, tp, default, help_: str) -> None:
         flags.DEFINE_string(path, None, **kw)
 
 
-def parse_config_args(args: list[str], extra: dict[str, tuple[str, str]] | None = None):
+def count(text: str) -> int:
+    """A command flag's value that counts something: a whole number >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError("use a whole number >= 1")
+    return int(text)
+
+
+def counts(text: str) -> list[int]:
+    """Comma-separated counts (`1,4`); empty: none."""
+    try:
+        return [count(c) for c in text.split(",")] if text else []
+    except ValueError:
+        raise ValueError("use comma-separated whole numbers >= 1, e.g. 1,4") from None
+
+
+def choice(*options: str):
+    """A command flag's value from a fixed set."""
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"use one of {', '.join(options)}")
+        return text
+    return parse
+
+
+def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
     """Parses `[--config PATH] [--<dotted.field>=V ...] [extra flags]` -> (Config, extras).
 
-    `extra` maps a command's own flag names to (default, help). The YAML file is loaded
+    `extra` maps a command's own flag names to (default, help) or (default, help, parse):
+    `parse` (e.g. `count`, `choice(...)`) turns the string into its value or raises
+    ValueError saying what is valid, which exits 2 naming the flag. The YAML file is loaded
     first so its dict entries (recon terms, site patterns) get flags too.
     """
     extra = dict(extra or {})
@@ -87,7 +113,7 @@ def parse_config_args(args: list[str], extra: dict[str, tuple[str, str]] | None 
     fv = flags.FlagValues()
     flags.DEFINE_string("config", None, "experiment YAML (none: the embedded default)",
                         flag_values=fv)
-    for name, (default, help_) in extra.items():
+    for name, (default, help_, *_) in extra.items():
         flags.DEFINE_string(name, default, help_, flag_values=fv)
     leaves = {p: tp for p, tp, _, _ in config_lib.leaves(cfg)}
     for p, tp, value, help_ in config_lib.leaves(cfg):
@@ -95,7 +121,7 @@ def parse_config_args(args: list[str], extra: dict[str, tuple[str, str]] | None 
     if any(a in ("--helpfull", "--help", "-h") for a in args):
         print(f"flags (with --config {path or '<embedded default>'}):")
         print("  --config=PATH  experiment YAML")
-        for name, (default, help_) in extra.items():
+        for name, (default, help_, *_) in extra.items():
             print(f"  --{name}={default}  {help_}")
         print(config_lib.describe(cfg))
         raise SystemExit(0)
@@ -111,7 +137,14 @@ def parse_config_args(args: list[str], extra: dict[str, tuple[str, str]] | None 
         raise UsageError(f"unexpected arguments {positional}; flags look like --decomp.steps=100")
     overrides = {p: fv[p].value for p in leaves if fv[p].present}
     cfg = config_lib.with_overrides(cfg, overrides)
-    return cfg, {name: fv[name].value for name in extra}
+    values = {}
+    for name, (_, _, *parse) in extra.items():
+        values[name] = fv[name].value
+        try:
+            values[name] = parse[0](values[name]) if parse else values[name]
+        except ValueError as e:
+            raise UsageError(f"--{name}={values[name]!r}: {e}") from None
+    return cfg, values
 
 
 # ---------------------------------------------------------------- commands
@@ -172,10 +205,11 @@ def cmd_shardings(args: list[str]) -> int:
     from ppgd_tpu.targets import build
 
     cfg, extra = parse_config_args(args, {
-        "devices": ("", "global device count (default: this machine's)"),
-        "processes": ("1", "slices/processes the devices split into (DCN granules)")})
-    n_dev = int(extra["devices"]) if extra["devices"] else jax.device_count()
-    mesh = mesh_lib.abstract_mesh(cfg.mesh, n_dev, int(extra["processes"]))
+        "devices": ("", "global device count (default: this machine's)",
+                    lambda t: count(t) if t else jax.device_count()),
+        "processes": ("1", "slices/processes the devices split into (DCN granules)", count)})
+    n_dev = extra["devices"]
+    mesh = mesh_lib.abstract_mesh(cfg.mesh, n_dev, extra["processes"])
     mesh_lib.check_batches(cfg, mesh)
     mod, sub = build.KINDS[cfg.target.kind], getattr(cfg.target, cfg.target.kind)
     rows = []

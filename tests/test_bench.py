@@ -82,4 +82,4 @@ def test_bench_run_times_a_whole_run_and_refuses_an_unknown_cache_mode(capsys, t
     assert report["compile_cache"] == "off" and float(report["wall_s"]) > 0
     assert (tmp_path / "r" / "summary.json").exists() and "eval/recon/ci_masked" in report
     assert cli.run(["bench", "run", *TINY, "--compile_cache=tepid"]) == 2
-    assert "--compile_cache='tepid'; use cold, warm or off" in capsys.readouterr().err
+    assert "--compile_cache='tepid': use one of cold, warm, off" in capsys.readouterr().err

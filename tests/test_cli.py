@@ -43,6 +43,21 @@ def test_refused_flags_exit_2_with_the_path(argv, needle, capsys, tmp_path):
     assert not (tmp_path / "r").exists()  # refused before anything was created
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["bench", "step", "--n_steps=abc"], "--n_steps='abc': use a whole number >= 1"),
+    (["bench", "step", "--n_steps=0"], "--n_steps='0': use a whole number >= 1"),
+    (["bench", "step", "--devices=1,x"], "--devices='1,x': use comma-separated whole numbers"),
+    (["bench", "step", "--timing=maybe"], "--timing='maybe': use one of true, false"),
+    (["bench", "ckpt", "--n_saves=-2"], "--n_saves='-2': use a whole number >= 1"),
+    (["bench", "replay", "--k=two"], "--k='two'"),
+    (["shardings", "--processes=0"], "--processes='0'"),
+])
+def test_refused_command_flags_exit_2_with_the_flag(argv, needle, capsys):
+    """A command's own flags (not config fields) are checked the same way, before compute."""
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2 and needle in err and not out
+
+
 def test_refused_yaml_names_the_dotted_path(capsys, tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("decomp:\n  ci_fn:\n    hiden: 3\n")
