@@ -147,6 +147,25 @@ def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
     return cfg, values
 
 
+TARGET_OUTPUT = ("", "safetensors path (default: runs/targets/<kind>-<seed>.safetensors)")
+
+
+def target_output(cfg, value: str) -> str:
+    """`pretrain --output` (TARGET_OUTPUT) or its default; refused before any training if
+    it could not be written."""
+    import os
+
+    from ppgd_tpu import storage
+
+    out = value or os.path.join("runs", "targets",
+                                f"{cfg.target.kind}-{cfg.target.seed}.safetensors")
+    try:
+        storage.check_creatable(out, directory=False)
+    except ValueError as e:
+        raise UsageError(f"--output: {e}") from None
+    return out
+
+
 # ---------------------------------------------------------------- commands
 
 
@@ -165,8 +184,6 @@ def cmd_train(args: list[str]) -> int:
 
 
 def cmd_pretrain(args: list[str]) -> int:
-    import os
-
     from ppgd_tpu.targets import build
 
     base = config_lib.load(_split_value(args, "config"))
@@ -175,10 +192,8 @@ def cmd_pretrain(args: list[str]) -> int:
 
         return lm_pretrain.main(args)  # an LM trains on a token store (--store)
 
-    cfg, extra = parse_config_args(args, {"output": ("", "safetensors path (default: "
-                                                     "runs/targets/<kind>-<seed>.safetensors)")})
-    out = extra["output"] or os.path.join("runs", "targets",
-                                          f"{cfg.target.kind}-{cfg.target.seed}.safetensors")
+    cfg, extra = parse_config_args(args, {"output": TARGET_OUTPUT})
+    out = target_output(cfg, extra["output"])
     target = build.pretrain(cfg.target)
     build.check(target, cfg.target)
     build.save(target, cfg.target, out)

@@ -393,6 +393,8 @@ def load_yaml(path: str) -> dict:
             data = yaml.safe_load(fh) or {}
     except FileNotFoundError:
         raise ConfigError(f"--config: no such file {path!r}") from None
+    except OSError as e:  # a directory, no permission, ...
+        raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

@@ -113,6 +113,8 @@ def train(cfg: Config, run_dir: str) -> dict:
         if rd.complete:
             print(f"{run_dir}: already complete (summary.json exists); nothing to do.")
             return rd.read_summary()
+    else:
+        rd.check_creatable()
     trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
     if dist.is_main() and not rd.exists:
         rd.create(cfg)

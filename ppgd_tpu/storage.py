@@ -39,6 +39,29 @@ def normalize(path: str) -> str:
     return os.path.abspath(path)
 
 
+def check_creatable(path: str, *, directory: bool) -> None:
+    """Raises ValueError if local `path` (a directory, or a file) could not be created or
+    written: a file where a directory must be or the reverse, a file on its way, or no write
+    permission where it would go. Called before compute, so a bad path costs nothing; a
+    gs:// path is checked by its first write."""
+    path = normalize(path)
+    if is_gcs(path):
+        return
+    if os.path.exists(path):
+        if os.path.isdir(path) != directory:
+            kind = "a directory" if directory else "a file"
+            raise ValueError(f"{path} exists and is not {kind}")
+        probe = path if directory else os.path.dirname(path)
+    else:
+        probe = os.path.dirname(path)
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            raise ValueError(f"{probe} is a file, so {path} cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"no permission to write in {probe}")
+
+
 def join(path: str, *parts: str) -> str:
     if is_gcs(path):
         return posixpath.join(path, *parts)

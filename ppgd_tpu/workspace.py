@@ -67,6 +67,12 @@ class RunDir:
                 "change the trajectory and may not differ on resume:\n" + "\n".join(diff)
                 + "\n(use a new --run_dir, or the original values)")
 
+    def check_creatable(self) -> None:
+        try:
+            storage.check_creatable(self.path, directory=True)
+        except ValueError as e:
+            raise ConfigError(f"--run_dir: {e}") from None
+
     def create(self, cfg: Config) -> None:
         storage.write_bytes(self.file(CONFIG), config_lib.dump_yaml(cfg).encode())
 

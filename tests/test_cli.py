@@ -181,6 +181,24 @@ def test_pretrain_writes_a_target_that_train_loads_and_bad_files_are_refused(tmp
     assert rc == 0
 
 
+def test_unwritable_paths_are_refused_before_any_compute(tmp_path, capsys, monkeypatch):
+    """A run dir or target output that could not be written exits 2 naming the flag, before
+    a target is trained (an empty cache stays empty) and without touching what is there."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PPGD_TPU_CACHE", str(cache))
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for argv, needle in [
+            (["train", f"--run_dir={afile}"], f"--run_dir: {afile} exists and is not a directory"),
+            (["train", f"--run_dir={afile / 'r'}"], f"--run_dir: {afile} is a file, so"),
+            (["pretrain", f"--output={afile / 't.safetensors'}"], f"--output: {afile} is a file"),
+            (["pretrain", f"--output={tmp_path}"], f"--output: {tmp_path} exists and is not a file"),
+            (["train", f"--config={tmp_path}"], f"--config: cannot read '{tmp_path}'")]:
+        rc, _, err = _run([*argv, "--target.seed=7", *TINY], capsys)
+        assert rc == 2 and needle in err, (argv, err)
+    assert afile.read_text() == "keep" and not cache.exists()
+
+
 def test_a_target_that_fails_validation_is_refused(tmp_path, capsys):
     rc, _, err = _run(["train", "--target.tms.train_steps=5", f"--run_dir={tmp_path / 'r'}",
                        *TINY], capsys)

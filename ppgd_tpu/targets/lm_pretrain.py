@@ -127,16 +127,15 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
 def main(argv: list[str]) -> int:
     """`ppgd-tpu pretrain --config C --store STORE [--output PATH] [--<field>=V ...]` for an
     LM target (argv excludes the program and subcommand names)."""
-    from ppgd_tpu.cli import UsageError, parse_config_args
+    from ppgd_tpu.cli import TARGET_OUTPUT, UsageError, parse_config_args, target_output
 
     cfg, extra = parse_config_args(argv, {
         "store": ("", "token store (from `ppgd-tpu tokenize`) to train the LM on"),
-        "output": ("", "safetensors path (default runs/targets/<kind>-<seed>.safetensors)")})
+        "output": TARGET_OUTPUT})
     if not extra["store"]:
         raise UsageError("--store: required for an LM target (a token store made by "
                          "`ppgd-tpu tokenize`)")
-    out = extra["output"] or os.path.join("runs", "targets",
-                                          f"{cfg.target.kind}-{cfg.target.seed}.safetensors")
+    out = target_output(cfg, extra["output"])
     summary = pretrain_lm(cfg.target, extra["store"], out, progress=cfg.log.progress)
     print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
     print(f"saved the {cfg.target.kind} target to {out} (metrics: {metrics_path(out)}); use it "
