@@ -111,8 +111,9 @@ def train(cfg: Config, run_dir: str) -> dict:
     if rd.exists:
         rd.check_compatible(cfg)
         if rd.complete:
+            summary = rd.read_summary()
             print(f"{run_dir}: already complete (summary.json exists); nothing to do.")
-            return rd.read_summary()
+            return summary
     else:
         rd.check_creatable()
     trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
@@ -204,7 +205,7 @@ def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState) -> dic
     state, target, eval_batch = trainer.to_host((state, trainer.target, trainer.eval_batch))
     if dist.is_main():
         writer = metrics_lib.MetricsWriter(rd.path, enabled=True, tensorboard=False)
-        writer.write(cfg.decomp.steps, summary)
+        writer.write_final(cfg.decomp.steps, summary)
         save_decomposition(rd.file(DECOMPOSITION), state, trainer.dec.sites)
         if cfg.eval.figures:
             eval_lib.figures(trainer.dec, state, target, eval_batch, rd.file(FIGURES))

@@ -38,6 +38,14 @@ def window_stats(window: list[dict], prefix: str = "train/grad_norms/summary/") 
     return out
 
 
+def _record(line: str) -> dict | None:
+    try:
+        record = json.loads(line) if line.endswith("\n") else None
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "step" in record else None
+
+
 class MetricsWriter:
     """RUN_DIR/metrics.jsonl, plus TensorBoard events for a local run dir.
 
@@ -61,15 +69,26 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drops lines with step > `step` (a resumed run rewrites what it redoes)."""
+        self._keep(lambda record: record["step"] <= step)
+
+    def write_final(self, step: int, values: dict) -> None:
+        """The final evaluation's line, once: a finish interrupted after writing it (before
+        summary.json) left the same record, which is dropped first."""
+        self._keep(lambda record: record["step"] != step or set(record) != {"step", *values})
+        self.write(step, values)
+
+    def _keep(self, keep) -> None:
+        """Rewrites the file with the records `keep` accepts. A line that is not one whole
+        JSON record (the torn last line of a killed process) is dropped."""
         if not self.enabled:
             return
         if not self.remote:
-            if os.path.exists(self.path):
-                with open(self.path) as fh:
-                    self.lines = fh.readlines()
-        self.lines = [ln for ln in self.lines if ln.strip() and json.loads(ln)["step"] <= step]
-        if self.remote or os.path.exists(self.path):
-            storage.write_bytes(self.path, "".join(self.lines).encode())
+            if not os.path.exists(self.path):
+                return
+            with open(self.path) as fh:
+                self.lines = fh.readlines()
+        self.lines = [ln for ln in self.lines if (record := _record(ln)) and keep(record)]
+        storage.write_bytes(self.path, "".join(self.lines).encode())
         if not self.remote:
             self.lines = []
 

@@ -77,7 +77,15 @@ class RunDir:
         storage.write_bytes(self.file(CONFIG), config_lib.dump_yaml(cfg).encode())
 
     def read_summary(self) -> dict:
-        return json.loads(storage.read_bytes(self.file(SUMMARY)))
+        """The final evaluation; written whole by this package, so unreadable JSON means the
+        file was changed by hand."""
+        try:
+            return json.loads(storage.read_bytes(self.file(SUMMARY)))
+        except ValueError as e:
+            raise ConfigError(
+                f"--run_dir: {self.file(SUMMARY)} marks this run complete but is not valid "
+                f"JSON ({e}); restore it, or delete it to run the final evaluation again "
+                "from the last checkpoint") from None
 
     def write_summary(self, summary: dict) -> None:
         storage.write_bytes(self.file(SUMMARY),

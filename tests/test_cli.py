@@ -3,6 +3,7 @@ an existing run dir; a run writes config.yaml, metrics.jsonl, summary.json and f
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -158,6 +159,15 @@ def test_rerun_complete_and_refused_resume_leave_the_dir_untouched(finished_run,
     assert rc == 0 and "already complete" in out
     after = {f: open(finished_run / f, "rb").read() for f in before}
     assert before == after
+
+
+def test_a_summary_changed_by_hand_is_refused_not_read(finished_run, tmp_path, capsys):
+    run = tmp_path / "r"
+    shutil.copytree(finished_run, run)
+    (run / "summary.json").write_text('{"step": 6')
+    rc, out, err = _run(["train", f"--run_dir={run}", *TINY], capsys)
+    assert rc == 2 and "summary.json marks this run complete but is not valid JSON" in err
+    assert "already complete" not in out and (run / "summary.json").read_text() == '{"step": 6'
 
 
 def test_pretrain_writes_a_target_that_train_loads_and_bad_files_are_refused(tmp_path, capsys):

@@ -38,13 +38,16 @@ def test_C3_W6_resume_at_every_step_is_bitwise_the_straight_run(tmp_path, mode):
                                           f"--checkpoint.keep_last_n={N + 1}"])) == 0
     want = _final_digest(straight)
     metrics = [json.loads(ln) for ln in open(straight / "metrics.jsonl")]
-    for K in range(1, K_REPLAY + 1):  # every window position t = 1, 2, 3, 0
+    # every window position t = 1, 2, 3, 0, and N: the finish killed before summary.json
+    for K in [*range(1, K_REPLAY + 1), N]:
         resumed = tmp_path / f"resumed_{K}"
         shutil.copytree(straight, resumed)
         os.remove(resumed / "summary.json")
         for d in os.listdir(resumed / "ckpts"):
             if int(d) > K:
                 shutil.rmtree(resumed / "ckpts" / d)
+        with open(resumed / "metrics.jsonl", "a") as fh:
+            fh.write('{"step": 3, "train/loss/to')  # a write torn by the kill
         assert cli.run(_args(resumed, mode, ["--checkpoint.every=1"])) == 0
         assert _final_digest(resumed) == want, f"mode {mode}: resume at K={K} diverged"
         again = [json.loads(ln) for ln in open(resumed / "metrics.jsonl")]
