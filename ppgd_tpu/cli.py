@@ -30,7 +30,8 @@ commands:
   ckpt      checkpoint tools: ls | digest | verify
   launch-local  run N local processes of a ppgd-tpu command
 
-`ppgd-tpu <command> --helpfull` lists that command's flags."""
+`ppgd-tpu <command> --helpfull` lists that command's flags; `ppgd-tpu --version` the
+versions of ppgd-tpu and the libraries it runs on."""
 
 
 class UsageError(ConfigError):
@@ -254,10 +255,30 @@ COMMANDS = {"train": cmd_train, "pretrain": cmd_pretrain, "bench": cmd_bench,
             "shardings": cmd_shardings}
 
 
+def versions() -> str:
+    """ppgd_tpu and the libraries a result depends on, for a bug report."""
+    from importlib import metadata
+
+    import ppgd_tpu
+
+    libs = ("jax", "jaxlib", "equinox", "optax", "tensorstore")
+    found = []
+    for lib in libs:
+        try:
+            found.append(f"{lib} {metadata.version(lib)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{lib} (not installed)")
+    return (f"ppgd-tpu {ppgd_tpu.__version__} (Python {sys.version.split()[0]}; "
+            + ", ".join(found) + ")")
+
+
 def run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(versions())
+        return 0
     cmd, rest = argv[0], argv[1:]
     try:
         if cmd in COMMANDS:

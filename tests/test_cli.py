@@ -78,6 +78,16 @@ def test_console_script_exit_status_is_2():
     assert "eval.every: -1 is out of range" in proc.stderr
 
 
+def test_version_names_the_package_and_the_libraries_a_result_depends_on(capsys):
+    import jax
+
+    import ppgd_tpu
+
+    rc, out, _ = _run(["--version"], capsys)
+    assert rc == 0 and out.startswith(f"ppgd-tpu {ppgd_tpu.__version__} ")
+    assert f"jax {jax.__version__}," in out and "tensorstore " in out
+
+
 def test_helpfull_lists_every_field_with_type_default_and_meaning(capsys):
     with pytest.raises(SystemExit) as e:
         cli.run(["train", "--helpfull"])
