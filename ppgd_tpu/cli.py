@@ -140,11 +140,11 @@ def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
     cfg = config_lib.with_overrides(cfg, overrides)
     values = {}
     for name, (_, _, *parse) in extra.items():
-        values[name] = fv[name].value
+        text = fv[name].value
         try:
-            values[name] = parse[0](values[name]) if parse else values[name]
+            values[name] = parse[0](text) if parse else text
         except ValueError as e:
-            raise UsageError(f"--{name}={values[name]!r}: {e}") from None
+            raise UsageError(f"--{name}={text!r}: {e}") from None
     return cfg, values
 
 
