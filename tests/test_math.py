@@ -225,6 +225,21 @@ def test_S2_site_out_formula_and_ones_with_delta_match_clean(small_tms):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_S3_the_recon_target_is_the_frozen_forward_not_the_all_ones_masked_path(small_tms):
+    """clean_output is `forward` with every site x @ W, gradient-stopped; without the delta
+    channel, masks of all ones give V U, which differs from W before training."""
+    t, comps, x = small_tms
+    np.testing.assert_array_equal(t.clean_output(x), t.forward(x, lambda n, h, W: h @ W))
+    g = jax.grad(lambda tg: jnp.sum(tg.clean_output(x) ** 2))(t)
+    assert all(float(jnp.abs(w).sum()) == 0 for w in jax.tree.leaves(g))
+    B = x.shape[0]
+    ones = {s: SiteMask(jnp.ones((B, 3))) for s in t.site_names}
+    all_ones = t.masked_forward(x, comps, ones)
+    vu = t.forward(x, lambda n, h, W: h @ comps.V[n] @ comps.U[n])
+    np.testing.assert_allclose(all_ones, vu, rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(all_ones - t.clean_output(x)))) > 1e-3
+
+
 # ---------------------------------------------------------------- [S10, S11] stochastic plans
 
 
@@ -373,6 +388,75 @@ def test_S13_S14_S24_adversary_updates_per_step_and_final_ascent(n_warmup):
     for s in dec.sites:
         np.testing.assert_allclose(adv.sources[s], expected.sources[s], rtol=1e-4, atol=1e-6)
     assert float(metrics["train/loss/ppgd"]) > 0
+
+
+def test_S12_persistent_term_routes_every_site_with_masks_from_its_sources():
+    """The term's forward: every site live and routed everywhere, mask = lower + (1 - lower)
+    src[..., :C], delta mask = src[..., C]; each site's sources get a gradient (leaves)."""
+    from ppgd_tpu.step import Decomposer
+
+    term = PersistentPGDTerm(scope="bsc", n_warmup=0)
+    cfg = _tiny_cfg(persistent_pgd={"ppgd": term})
+    t = _toy_target()
+    dec = Decomposer(cfg, t, (32, 5))
+    state = dec.init(t)
+    x = t.sample(jax.random.key(5), 32)
+    lower = dec.ci(state.ci_fn, state.components, t, x).lower
+    src = state.adversaries["ppgd"].sources
+    masks = dec.ppgd_masks(lower, src)
+    assert set(masks) == set(t.site_names)
+    by_hand = {s: SiteMask(lower[s] + (1 - lower[s]) * src[s][:, :-1], src[s][:, -1])
+               for s in t.site_names}
+    for s in t.site_names:
+        m = masks[s]()
+        assert m.route is None
+        np.testing.assert_allclose(m.mask, by_hand[s].mask, rtol=1e-6)
+        np.testing.assert_allclose(m.delta, by_hand[s].delta)
+    clean = t.clean_output(x)
+    value = dec.recon(t, x, state.components, masks, clean)
+    np.testing.assert_allclose(
+        value, t.divergence(t.masked_forward(x, state.components, by_hand), clean), rtol=1e-6)
+    g = jax.grad(lambda sr: dec.recon(t, x, state.components, dec.ppgd_masks(lower, sr),
+                                      clean))(src)
+    assert all(float(jnp.abs(g[s]).sum()) > 0 for s in t.site_names)
+
+
+def test_S23_each_persistent_term_has_its_own_sources_and_ascends_on_its_own_gradient():
+    """Two terms: two bundles, initialised apart; after a step each is what its term alone
+    (its coeff, n_warmup and lr) makes of it."""
+    from ppgd_tpu.step import Decomposer
+
+    terms = {"a": PersistentPGDTerm(coeff=1.0, scope="bsc", n_warmup=1,
+                                    lr=Schedule("constant", 0.05)),
+             "b": PersistentPGDTerm(coeff=3.0, scope="sc", n_warmup=0,
+                                    lr=Schedule("constant", 0.2))}
+    cfg = _tiny_cfg(persistent_pgd=terms)
+    t = _toy_target()
+    dec = Decomposer(cfg, t, (32, 5))
+    state = dec.init(t)
+    a0, b0 = state.adversaries["a"], state.adversaries["b"]
+    assert a0.sources["linear1"].shape == (32, 5) and b0.sources["linear1"].shape == (1, 5)
+    assert not np.allclose(a0.sources["linear1"][:1], b0.sources["linear1"])
+    x = t.sample(jax.random.key(5), 32)
+    new, metrics = dec.full(state, t, x)
+    ci = dec.ci(state.ci_fn, state.components, t, x)
+    clean = t.clean_output(x)
+
+    def alone(name):
+        term, adv = terms[name], state.adversaries[name]
+        value = lambda sr: dec.recon(t, x, state.components, dec.ppgd_masks(ci.lower, sr),
+                                     clean)
+        for _ in range(term.n_warmup + 1):  # the final ascent: d(coeff * term) / coeff
+            adv = adversary.ascend(adv, jax.grad(value)(adv.sources), term, term.lr.value)
+        return adv
+
+    for name in terms:
+        want = alone(name)
+        assert float(new.adversaries[name].step_count) == terms[name].n_warmup + 1
+        for s in dec.sites:
+            np.testing.assert_allclose(new.adversaries[name].sources[s], want.sources[s],
+                                       rtol=1e-4, atol=1e-6)
+    assert float(metrics["train/loss/a"]) > 0 and float(metrics["train/loss/b"]) > 0
 
 
 def test_R1_step_draws_depend_only_on_seed_and_step():
