@@ -1,6 +1,11 @@
 """ppgd_tpu: rank-1 parameter decomposition of frozen networks (SPEC.md)."""
 
-__version__ = "0.1.0"
+from importlib import metadata as _metadata
+
+try:  # one source of truth: pyproject.toml, as installed (launch/tpu_pod.sh reads it too)
+    __version__ = _metadata.version("ppgd-tpu")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "unknown"
 
 from ppgd_tpu import cpu_runtime as _cpu_runtime
 

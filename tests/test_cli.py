@@ -79,12 +79,19 @@ def test_console_script_exit_status_is_2():
 
 
 def test_version_names_the_package_and_the_libraries_a_result_depends_on(capsys):
+    """pyproject.toml is the one place the version is written (tpu_pod.sh reads it too)."""
+    import tomllib
+
     import jax
 
     import ppgd_tpu
 
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
+        version = tomllib.load(fh)["project"]["version"]
     rc, out, _ = _run(["--version"], capsys)
-    assert rc == 0 and out.startswith(f"ppgd-tpu {ppgd_tpu.__version__} ")
+    assert rc == 0 and ppgd_tpu.__version__ == version
+    assert out.startswith(f"ppgd-tpu {version} ")
     assert f"jax {jax.__version__}," in out and "tensorstore " in out
 
 
