@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import re
 import sys
 import typing
 from typing import Literal
@@ -99,6 +100,25 @@ def choice(*options: str):
     return parse
 
 
+_WANT = {int: "not a whole number (an int field, e.g. 2000)",
+         float: "not a number (a float field, e.g. 3e-3)",
+         bool: "not a boolean (use true or false)"}
+
+
+def _bad_value(message: str, leaves: dict) -> str:
+    """absl's "flag --PATH=VALUE: <parser's words>" as "PATH: 'VALUE' is not ...", the
+    shape of the range checks' messages, saying what the field takes."""
+    m = re.match(r"flag --([^=]+)=(.*?): ", message, re.S)
+    tp = leaves.get(m.group(1)) if m else None
+    if typing.get_origin(tp) is Literal:
+        want = f"not one of {', '.join(str(a) for a in typing.get_args(tp))}"
+    elif tp in _WANT:
+        want = _WANT[tp]
+    else:
+        return message
+    return f"{m.group(1)}: {m.group(2)!r} is {want}"
+
+
 def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
     """Parses `[--config PATH] [--<dotted.field>=V ...] [extra flags]` -> (Config, extras).
 
@@ -132,6 +152,8 @@ def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
         close = difflib.get_close_matches(e.flagname, list(leaves) + list(extra), n=3)
         hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
         raise UsageError(f"--{e.flagname}: unknown flag{hint} (see --helpfull)") from None
+    except flags.IllegalFlagValueError as e:
+        raise UsageError(_bad_value(str(e), leaves)) from None
     except flags.Error as e:
         raise UsageError(str(e)) from None
     if positional:

@@ -25,9 +25,12 @@ def _run(argv, capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--decomp.stepz=3"], "--decomp.stepz: unknown flag; did you mean --decomp.steps"),
-    (["--decomp.steps=abc"], "--decomp.steps=abc"),
+    (["--decomp.steps=abc"], "decomp.steps: 'abc' is not a whole number"),
+    (["--decomp.steps=1.5"], "decomp.steps: '1.5' is not a whole number"),
+    (["--loss.imp_min.coeff=x"], "loss.imp_min.coeff: 'x' is not a number"),
+    (["--decomp.use_delta=maybe"], "decomp.use_delta: 'maybe' is not a boolean (use true or false)"),
     (["--decomp.steps=0"], "decomp.steps: 0 is out of range; must be >= 1"),
-    (["--loss.imp_min.kind=l3"], "loss.imp_min.kind"),
+    (["--loss.imp_min.kind=l3"], "loss.imp_min.kind: 'l3' is not one of lp, smooth_l0"),
     (["--data.train_batch_replay=1", "--data.replay_ci_update=first"],
      "data.replay_ci_update: 'first' needs data.train_batch_replay >= 2"),
     (["--data.train_batch_replay=3"], "decomp.steps: 20000 must be a multiple of "
