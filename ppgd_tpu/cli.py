@@ -100,23 +100,12 @@ def choice(*options: str):
     return parse
 
 
-_WANT = {int: "not a whole number (an int field, e.g. 2000)",
-         float: "not a number (a float field, e.g. 3e-3)",
-         bool: "not a boolean (use true or false)"}
-
-
 def _bad_value(message: str, leaves: dict) -> str:
-    """absl's "flag --PATH=VALUE: <parser's words>" as "PATH: 'VALUE' is not ...", the
-    shape of the range checks' messages, saying what the field takes."""
+    """absl's "flag --PATH=VALUE: <parser's words>" in the words a bad YAML value gets."""
     m = re.match(r"flag --([^=]+)=(.*?): ", message, re.S)
-    tp = leaves.get(m.group(1)) if m else None
-    if typing.get_origin(tp) is Literal:
-        want = f"not one of {', '.join(str(a) for a in typing.get_args(tp))}"
-    elif tp in _WANT:
-        want = _WANT[tp]
-    else:
+    if not m or m.group(1) not in leaves:
         return message
-    return f"{m.group(1)}: {m.group(2)!r} is {want}"
+    return str(config_lib.not_a(m.group(1), m.group(2), leaves[m.group(1)]))
 
 
 def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):

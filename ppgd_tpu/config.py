@@ -307,7 +307,7 @@ def _coerce(value, tp, path: str):
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"{path}: {value!r} is not valid; expected {_type_name(tp)}")
+            raise not_a(path, value, tp)
         return value
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
@@ -323,13 +323,13 @@ def _coerce(value, tp, path: str):
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{path}: {value!r} is not a bool; expected true or false")
+        raise not_a(path, value, bool)
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise ConfigError(f"{path}: {value!r} is not an integer")
+        raise not_a(path, value, int)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -338,12 +338,23 @@ def _coerce(value, tp, path: str):
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{path}: {value!r} is not a number")
+        raise not_a(path, value, float)
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{path}: {value!r} is not a string")
+        raise not_a(path, value, str)
     raise TypeError(f"unsupported schema type {tp} at {path}")
+
+
+_KINDS = {bool: "a bool; expected true or false", int: "an integer", float: "a number",
+          str: "a string"}
+
+
+def not_a(path: str, value, tp) -> ConfigError:
+    """The one wording of a value of the wrong type, from YAML or from a flag."""
+    if typing.get_origin(tp) is Literal:
+        return ConfigError(f"{path}: {value!r} is not valid; expected {_type_name(tp)}")
+    return ConfigError(f"{path}: {value!r} is not {_KINDS[tp]}")
 
 
 def _hints(cls) -> dict[str, Any]:

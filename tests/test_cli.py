@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import yaml
 
 from ppgd_tpu import cli
 from ppgd_tpu import load_decomposition
@@ -25,12 +26,12 @@ def _run(argv, capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--decomp.stepz=3"], "--decomp.stepz: unknown flag; did you mean --decomp.steps"),
-    (["--decomp.steps=abc"], "decomp.steps: 'abc' is not a whole number"),
-    (["--decomp.steps=1.5"], "decomp.steps: '1.5' is not a whole number"),
+    (["--decomp.steps=abc"], "decomp.steps: 'abc' is not an integer"),
+    (["--decomp.steps=1.5"], "decomp.steps: '1.5' is not an integer"),
     (["--loss.imp_min.coeff=x"], "loss.imp_min.coeff: 'x' is not a number"),
-    (["--decomp.use_delta=maybe"], "decomp.use_delta: 'maybe' is not a boolean (use true or false)"),
+    (["--decomp.use_delta=maybe"], "decomp.use_delta: 'maybe' is not a bool; expected true or false"),
     (["--decomp.steps=0"], "decomp.steps: 0 is out of range; must be >= 1"),
-    (["--loss.imp_min.kind=l3"], "loss.imp_min.kind: 'l3' is not one of lp, smooth_l0"),
+    (["--loss.imp_min.kind=l3"], "loss.imp_min.kind: 'l3' is not valid; expected one of 'lp', 'smooth_l0'"),
     (["--data.train_batch_replay=1", "--data.replay_ci_update=first"],
      "data.replay_ci_update: 'first' needs data.train_batch_replay >= 2"),
     (["--data.train_batch_replay=3"], "decomp.steps: 20000 must be a multiple of "
@@ -45,6 +46,23 @@ def test_refused_flags_exit_2_with_the_path(argv, needle, capsys, tmp_path):
     assert rc == 2
     assert needle in err
     assert not (tmp_path / "r").exists()  # refused before anything was created
+
+
+@pytest.mark.parametrize("field,value", [
+    ("decomp.steps", "abc"), ("loss.imp_min.coeff", "x"), ("decomp.use_delta", "maybe"),
+    ("loss.imp_min.kind", "l3"),
+])
+def test_a_bad_value_reads_the_same_from_yaml_and_from_a_flag(field, value, capsys, tmp_path):
+    """One wording (config.not_a) whichever way the value came in; both exit 2."""
+    node = value
+    for key in reversed(field.split(".")):
+        node = {key: node}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(node))
+    rc_yaml, _, from_yaml = _run(["train", f"--config={tmp_path / 'c.yaml'}"], capsys)
+    rc_flag, _, from_flag = _run(["train", f"--{field}={value}"], capsys)
+    assert rc_yaml == rc_flag == 2
+    assert from_yaml.strip().splitlines()[-1] == from_flag.strip().splitlines()[-1]
+    assert f"{field}: {value!r} is not" in from_flag
 
 
 @pytest.mark.parametrize("argv,needle", [
