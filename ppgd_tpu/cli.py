@@ -159,7 +159,8 @@ def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
     return cfg, values
 
 
-TARGET_OUTPUT = ("", "safetensors path (default: runs/targets/<kind>-<seed>.safetensors)")
+TARGET_OUTPUT = ("", "safetensors path, local or gs:// "
+                     "(default: runs/targets/<kind>-<seed>.safetensors)")
 
 
 def target_output(cfg, value: str) -> str:

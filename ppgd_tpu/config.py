@@ -119,7 +119,8 @@ class LlamaConfig:
 class TargetConfig:
     kind: Literal["tms", "resid_mlp", "llama_simple_mlp"] = _f("tms", "which frozen target")
     seed: int = _f(0, "target pretraining seed (the target is a pure function of its config)")
-    path: str = _f("", "safetensors weights to load; empty = train from this config and cache")
+    path: str = _f("", "safetensors weights to load (local or gs://); empty = train from this "
+                   "config and cache")
     tms: TMSConfig = _f(factory=TMSConfig, help="TMS target")
     resid_mlp: ResidMLPConfig = _f(factory=ResidMLPConfig, help="ResidMLP target")
     llama_simple_mlp: LlamaConfig = _f(factory=LlamaConfig,
@@ -478,13 +479,14 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def trajectory_diff(old: Config, new: Config) -> list[str]:
+def trajectory_diff(old: Config, new: Config, also_resumable: tuple[str, ...] = ()) -> list[str]:
     """Fields that differ and change the trajectory (refused on resume)."""
     a = {p: v for p, _, v, _ in leaves(old)}
     b = {p: v for p, _, v, _ in leaves(new)}
+    resumable = RESUMABLE_PREFIXES + also_resumable
     out = []
     for p in sorted(set(a) | set(b)):
-        if a.get(p) != b.get(p) and not p.startswith(RESUMABLE_PREFIXES):
+        if a.get(p) != b.get(p) and not p.startswith(resumable):
             out.append(f"  {p}: {a.get(p, '<absent>')!r} -> {b.get(p, '<absent>')!r}")
     return out
 

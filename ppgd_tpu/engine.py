@@ -20,7 +20,7 @@ from ppgd_tpu import checkpoint, dist, resume, storage
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
-from ppgd_tpu.config import Config, config_hash
+from ppgd_tpu.config import Config, ConfigError, config_hash
 from ppgd_tpu.data import lm as data_lib
 from ppgd_tpu.decomp.components import resolve_sites
 from ppgd_tpu.replay import ReplayController
@@ -55,6 +55,13 @@ class Trainer:
         self.mesh = mesh_lib.make_mesh(cfg.mesh)
         mesh_lib.check_batches(cfg, self.mesh)
         target = target_build.build(cfg.target)
+        self.target_sha256 = target_build.fingerprint(target, cfg.target)
+        by_process = dist.gather_from_all(self.target_sha256)
+        if len(set(by_process)) > 1:  # e.g. each host read its own copy of target.path
+            raise ConfigError("target: the processes built different weights (sha256 by "
+                              "process: " + ", ".join(f"{i}: {h[:16]}..." for i, h in
+                                                      enumerate(by_process))
+                              + "); give every process the same target file")
         self.placement = mesh_lib.Placement(cfg, self.mesh, len(target.leading_shape((1, 1))))
         # Toys: batches drawn from (seed, j); LMs: token-store rows [B, T] (data/lm.py). Both
         # land row-sharded on the mesh, each process producing only its own rows.
@@ -117,8 +124,10 @@ def train(cfg: Config, run_dir: str) -> dict:
     else:
         rd.check_creatable()
     trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
-    if dist.is_main() and not rd.exists:
-        rd.create(cfg)
+    if rd.exists:
+        rd.check_target(cfg, trainer.target_sha256)
+    elif dist.is_main():
+        rd.create(cfg, trainer.target_sha256)
     dist.barrier("run_dir_ready")
     logging.info("%srun dir %s", dist.tag(), rd.path)
     saver = checkpoint.Checkpointer(

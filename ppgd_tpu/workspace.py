@@ -22,6 +22,7 @@ CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 DECOMPOSITION = "decomposition.safetensors"
+TARGET = "target.json"
 FIGURES = "figures"
 
 
@@ -60,7 +61,10 @@ class RunDir:
         except ConfigError as e:
             raise ConfigError(f"--run_dir: {self.path} holds a config this version cannot "
                               f"read ({e}); use a new --run_dir") from None
-        diff = config_lib.trajectory_diff(old, cfg)
+        # A run that recorded its target's weights may find them at another path (a copy on
+        # gs://, another host's disk): check_target then compares the weights themselves.
+        moved = ("target.path",) if storage.exists(self.file(TARGET)) else ()
+        diff = config_lib.trajectory_diff(old, cfg, also_resumable=moved)
         if diff:
             raise ConfigError(
                 f"--run_dir: {self.path} was started with a different config; these fields "
@@ -73,8 +77,27 @@ class RunDir:
         except ValueError as e:
             raise ConfigError(f"--run_dir: {e}") from None
 
-    def create(self, cfg: Config) -> None:
+    def create(self, cfg: Config, target_sha256: str) -> None:
+        """target.json, then config.yaml: the file whose presence makes the run exist."""
+        storage.write_bytes(self.file(TARGET), json.dumps(
+            {"sha256": target_sha256, "kind": cfg.target.kind, "path": cfg.target.path},
+            indent=1).encode())
         storage.write_bytes(self.file(CONFIG), config_lib.dump_yaml(cfg).encode())
+
+    def check_target(self, cfg: Config, target_sha256: str) -> None:
+        """[C1] a resumed run rebuilds its frozen target: refuses other weights than the ones
+        it started with (a target file overwritten or retrained) [C3]. Run dirs from before
+        target.json are not checked."""
+        if not storage.exists(self.file(TARGET)):
+            return
+        started = json.loads(storage.read_bytes(self.file(TARGET)))
+        if started["sha256"] != target_sha256:
+            where = cfg.target.path or "the toy target cache (retrained from its config)"
+            raise ConfigError(
+                f"target: the weights now at {where} differ from those {self.path} was started "
+                f"with (sha256 {target_sha256[:16]}... now, {started['sha256'][:16]}... then, "
+                f"from {started['path'] or 'the toy target cache'}); restore them, or use a "
+                "new --run_dir")
 
     def read_summary(self) -> dict:
         """The final evaluation; written whole by this package, so unreadable JSON means the

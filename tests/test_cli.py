@@ -135,7 +135,7 @@ def finished_run(tmp_path_factory):
 
 def test_run_dir_holds_config_metrics_summary_figures(finished_run):
     files = set(os.listdir(finished_run))
-    assert {"config.yaml", "metrics.jsonl", "summary.json", "figures",
+    assert {"target.json", "config.yaml", "metrics.jsonl", "summary.json", "figures",
             "decomposition.safetensors"} <= files
     rows = [json.loads(ln) for ln in open(finished_run / "metrics.jsonl")]
     train = [r for r in rows if "train/loss/total" in r]
@@ -186,7 +186,7 @@ def test_load_decomposition_returns_numpy_components(finished_run):
 
 def test_rerun_complete_and_refused_resume_leave_the_dir_untouched(finished_run, capsys):
     before = {f: open(finished_run / f, "rb").read()
-              for f in ["config.yaml", "metrics.jsonl", "summary.json"]}
+              for f in ["target.json", "config.yaml", "metrics.jsonl", "summary.json"]}
     rc, out, _ = _run(["train", f"--run_dir={finished_run}", *TINY], capsys)
     assert rc == 0 and "already complete" in out
     rc, _, err = _run(["train", f"--run_dir={finished_run}", *TINY,
@@ -227,6 +227,42 @@ def test_pretrain_writes_a_target_that_train_loads_and_bad_files_are_refused(tmp
     rc, _, _ = _run(["train", f"--target.path={out}", f"--run_dir={tmp_path / 'ok'}", *TINY],
                     capsys)
     assert rc == 0
+
+
+def _files(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_rebuilds_the_same_target_or_is_refused_C1(tmp_path, capsys):
+    """[C1] the frozen target is rebuilt, not stored, so the run records its weights'
+    sha256 (target.json): a resume onto other weights (the file overwritten by another
+    pretrain) is refused, exit 2, nothing touched; the same weights at another path resume."""
+    t, copy, run = tmp_path / "t.safetensors", tmp_path / "copy.safetensors", tmp_path / "r"
+    assert _run(["pretrain", f"--output={t}"], capsys)[0] == 0
+    shutil.copy(t, copy)
+    assert _run(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)[0] == 0
+    started = json.loads((run / "target.json").read_text())
+    assert started["path"] == str(t) and len(started["sha256"]) == 64
+    (run / "summary.json").unlink()  # stopped after its last checkpoint: resumable
+
+    assert _run(["pretrain", f"--output={t}", "--target.seed=1"], capsys)[0] == 0
+    before = _files(run)
+    rc, _, err = _run(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)
+    assert rc == 2 and f"target: the weights now at {t} differ from those" in err, err
+    assert _files(run) == before
+
+    rc, _, err = _run(["train", f"--target.path={copy}", f"--run_dir={run}", *TINY], capsys)
+    assert rc == 0, err
+    assert json.loads((run / "summary.json").read_text())["step"] == 60
+    assert json.loads((run / "target.json").read_text()) == started  # written once
+
+    # A run dir from before target.json: the weights go unchecked, and target.path may not
+    # move (it is then the only identity of the target).
+    (run / "target.json").unlink()
+    (run / "summary.json").unlink()
+    rc, _, err = _run(["train", f"--target.path={copy}", f"--run_dir={run}", *TINY], capsys)
+    assert rc == 2 and f"target.path: '{t}' -> '{copy}'" in err, err
+    assert _run(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)[0] == 0
 
 
 def test_unwritable_paths_are_refused_before_any_compute(tmp_path, capsys, monkeypatch):

@@ -24,7 +24,7 @@ def test_each_shipped_config_validates_and_reads_back_from_its_run_dir(path, tmp
     back as the same config, or resuming a shipped config would be refused."""
     cfg = config.load(str(path))
     run_dir = RunDir(str(tmp_path))
-    run_dir.create(cfg)
+    run_dir.create(cfg, target_sha256="0" * 64)
     assert run_dir.stored_config() == cfg
     run_dir.check_compatible(cfg)
 

@@ -61,3 +61,17 @@ def test_sigterm_resume_on_gcs(gcs_emulator):
     straight = gcs_emulator.run_dir()
     assert cli.run(["train", f"--run_dir={straight}", *args]) == 0
     assert checkpoint.digest(run, 2000).overall == checkpoint.digest(straight, 2000).overall
+
+
+def test_a_target_file_on_gcs_is_written_read_and_may_move_there_on_resume(gcs_emulator,
+                                                                           tmp_path):
+    """`pretrain --output` and `target.path` take gs:// (every host of a pod reads the one
+    object); a run started from a local copy resumes from the gs:// one: same weights [C1]."""
+    remote, local = f"{gcs_emulator.run_dir()}/t.safetensors", tmp_path / "t.safetensors"
+    assert cli.run(["pretrain", f"--output={remote}"]) == 0
+    local.write_bytes(storage.read_bytes(remote))
+    run = tmp_path / "r"
+    assert cli.run(["train", f"--target.path={local}", f"--run_dir={run}", *ARGS]) == 0
+    (run / "summary.json").unlink()
+    assert cli.run(["train", f"--target.path={remote}", f"--run_dir={run}", *ARGS]) == 0
+    assert json.loads((run / "summary.json").read_text())["step"] == 8

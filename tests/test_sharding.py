@@ -340,3 +340,19 @@ def test_D3_a_batch_that_does_not_divide_is_refused_before_compute(runs, tmp_pat
                 "--data.batch_size=30"], devices=4, expect=2)
     assert "data.batch_size: 30 rows do not divide over the 4 batch shards" in out
     assert not run.exists()
+
+
+def test_C1_processes_that_build_different_targets_are_refused(tmp_path):
+    """Every process rebuilds the frozen target itself [C1]; one that read other weights (a
+    host's own stale copy of target.path) would decompose another model, so every process
+    refuses (exit 2) before the run dir exists."""
+    for seed in (0, 1):
+        _run(["pretrain", f"--output={tmp_path}/t{seed}.safetensors", f"--target.seed={seed}"])
+    run = tmp_path / "never"
+    per_process = f"{tmp_path}/t${dist.ENV_PROCESS_ID}.safetensors"  # expanded in each child
+    child = (f'exec "{sys.executable}" -m ppgd_tpu.cli train --run_dir={run} '
+             f'--target.path={per_process}')
+    out = _run(["launch-local", "--processes", "2", "--exec", "--", "sh", "-c", child],
+               expect=2)
+    assert "the processes built different weights (sha256 by process: 0: " in out, out
+    assert not run.exists()

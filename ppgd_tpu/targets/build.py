@@ -21,9 +21,9 @@ import numpy as np
 import optax
 import equinox as eqx
 from absl import logging
-from safetensors.numpy import load_file, save_file
+from safetensors import numpy as safetensors_numpy
 
-from ppgd_tpu import cache
+from ppgd_tpu import cache, storage
 from ppgd_tpu.config import ConfigError, TargetConfig, to_dict
 from ppgd_tpu.targets import llama_simple_mlp, resid_mlp, tms
 from ppgd_tpu.targets.base import Target
@@ -82,22 +82,20 @@ def pretrain(cfg: TargetConfig) -> Target:
 
 
 def save(target: Target, cfg: TargetConfig, path: str) -> None:
-    """Writes safetensors + the target config (metadata), atomically."""
+    """Writes safetensors + the target config (metadata), atomically, locally or on gs://."""
     mod, _ = _kind(cfg)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tensors = {k: np.asarray(v) for k, v in mod.state_dict(target).items()}
-    tmp = f"{path}.tmp.{os.getpid()}"
-    save_file(tensors, tmp, metadata={"target": json.dumps(to_dict(cfg))})
-    os.replace(tmp, path)
+    storage.write_bytes(path, safetensors_numpy.save(
+        tensors, metadata={"target": json.dumps(to_dict(cfg))}))
 
 
 def load(cfg: TargetConfig, path: str) -> Target:
     """Loads weights named as the target's state dict; refuses missing/extra/mis-shaped."""
     mod, sub = _kind(cfg)
-    if not os.path.exists(path):
+    if not storage.exists(path):
         raise ConfigError(f"target.path: no such file {path!r}")
     try:
-        sd = load_file(path)
+        sd = safetensors_numpy.load(storage.read_bytes(path))
     except Exception as e:  # safetensors raises several types for a damaged header
         raise TargetError(f"target.path: {path} is not a readable safetensors file ({e})") from None
     template = jax.eval_shape(lambda: mod.state_dict(mod.init(sub, jax.random.key(0))))
@@ -110,6 +108,18 @@ def load(cfg: TargetConfig, path: str) -> Target:
         raise TargetError(f"target.path: {path} does not match target.{cfg.kind}: "
                           + "; ".join(problems))
     return mod.from_state_dict(sub, {k: v.astype(np.float32) for k, v in sd.items()})
+
+
+def fingerprint(target: Target, cfg: TargetConfig) -> str:
+    """sha256 of the weights the run decomposes (names, shapes, fp32 bytes): [C1] rebuilds
+    the target instead of storing it, so a resume checks it rebuilt the same one."""
+    mod, _ = _kind(cfg)
+    h = hashlib.sha256()
+    for name, w in sorted(mod.state_dict(target).items()):
+        w = np.ascontiguousarray(np.asarray(w, np.float32))
+        h.update(json.dumps([name, list(w.shape)]).encode())
+        h.update(w.tobytes())
+    return h.hexdigest()
 
 
 def check(target: Target, cfg: TargetConfig) -> None:
