@@ -9,6 +9,7 @@ compute and without touching an existing run directory.
 from __future__ import annotations
 
 import difflib
+import logging as std_logging
 import importlib
 import re
 import sys
@@ -321,8 +322,11 @@ def main() -> None:
 
     cpu_runtime.keep_step_buffers()
     cache.enable_compile_cache()
+    flags.FLAGS.mark_as_parsed()  # ours parse per command; absl's own need only defaults
     logging.set_verbosity(logging.INFO)
     logging.use_absl_handler()
+    if cpu_runtime.computes_on_cpu():  # no accelerator plugin: JAX's TPU probe must fail
+        std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
     sys.exit(run(sys.argv[1:]))
 
 
