@@ -90,14 +90,20 @@ class RunDir:
         target.json are not checked."""
         if not storage.exists(self.file(TARGET)):
             return
-        started = json.loads(storage.read_bytes(self.file(TARGET)))
-        if started["sha256"] != target_sha256:
+        try:
+            started = json.loads(storage.read_bytes(self.file(TARGET)))
+            sha, path = started["sha256"], started["path"]
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(
+                f"--run_dir: {self.file(TARGET)} is not the record this package writes ({e!r}); "
+                "restore it, or delete it to resume without checking the target's "
+                "weights") from None
+        if sha != target_sha256:
             where = cfg.target.path or "the toy target cache (retrained from its config)"
             raise ConfigError(
                 f"target: the weights now at {where} differ from those {self.path} was started "
-                f"with (sha256 {target_sha256[:16]}... now, {started['sha256'][:16]}... then, "
-                f"from {started['path'] or 'the toy target cache'}); restore them, or use a "
-                "new --run_dir")
+                f"with (sha256 {target_sha256[:16]}... now, {sha[:16]}... then, from "
+                f"{path or 'the toy target cache'}); restore them, or use a new --run_dir")
 
     def read_summary(self) -> dict:
         """The final evaluation; written whole by this package, so unreadable JSON means the

@@ -256,10 +256,14 @@ def test_a_resume_rebuilds_the_same_target_or_is_refused_C1(tmp_path, capsys):
     assert json.loads((run / "summary.json").read_text())["step"] == 60
     assert json.loads((run / "target.json").read_text()) == started  # written once
 
+    (run / "summary.json").unlink()
+    (run / "target.json").write_text('{"sha256": ')  # changed by hand
+    rc, _, err = _run(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)
+    assert rc == 2 and "target.json is not the record this package writes" in err, err
+
     # A run dir from before target.json: the weights go unchecked, and target.path may not
     # move (it is then the only identity of the target).
     (run / "target.json").unlink()
-    (run / "summary.json").unlink()
     rc, _, err = _run(["train", f"--target.path={copy}", f"--run_dir={run}", *TINY], capsys)
     assert rc == 2 and f"target.path: '{t}' -> '{copy}'" in err, err
     assert _run(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)[0] == 0
