@@ -14,7 +14,7 @@ import pytest
 from ppgd_tpu.config import Config, ImpMinConfig, PersistentPGDTerm, Schedule, StochasticTerm
 from ppgd_tpu.decomp import adversary, ci_fn, component_mlp, components, losses, rng, schedules
 from ppgd_tpu.decomp.divergence import kl
-from ppgd_tpu.targets import tms
+from ppgd_tpu.targets import resid_mlp, tms
 from ppgd_tpu.targets.base import SiteMask
 
 jax.config.update("jax_enable_x64", False)
@@ -618,7 +618,6 @@ def test_S2_resid_mlp_factored_residual_equals_the_dense_forward(n_layers):
     """ResidMLP keeps its residual stream factored (targets/lowrank.py); clean, masked (mask,
     delta, route) and their component gradients equal the dense forward's, in float64."""
     from ppgd_tpu.config import ResidMLPConfig
-    from ppgd_tpu.targets import resid_mlp
     from ppgd_tpu.targets.base import site_out
 
     with jax.enable_x64(True):
@@ -744,18 +743,19 @@ def test_R1_toy_data_is_bit_identical_to_jax_random():
 # ---------------------------------------------------------------- recon on the live rows only
 
 
-@pytest.mark.parametrize("data_p,size,ci_kind", [(0.05, 0, "per_component_mlp"),
-                                                 (0.6, 1, "per_component_mlp"),
-                                                 (0.05, 0, "global_mlp")])
-def test_S2_step_on_the_live_rows_equals_the_full_batch_step(data_p, size, ci_kind):
+@pytest.mark.parametrize("kind,data_p,size,ci_kind", [
+    ("tms", 0.05, 0, "per_component_mlp"), ("tms", 0.6, 1, "per_component_mlp"),
+    ("tms", 0.05, 0, "global_mlp"), ("resid_mlp", 0.01, 0, "per_component_mlp"),
+    ("resid_mlp", 0.6, 1, "per_component_mlp")])
+def test_S2_step_on_the_live_rows_equals_the_full_batch_step(kind, data_p, size, ci_kind):
     """live_rows.py: a row whose every site input is zero cannot move a recon divergence or
     any gradient, so the step that runs its masked forwards (stochastic with uniform_k
     routes, layerwise, persistent `bsc` with warmups and `sc`, fresh PGD) on the live rows
     only is the full-batch step. Its CI fn runs on those rows plus one zero row counted for
-    the rest in imp-min (frequency term included [S8]), so the CI fn's update is the same
-    too. The target declares feature_probability 0.05 (rows: 256, gathered: 104); data
+    too. TMS declares feature_probability 0.05 (rows: 256, gathered: 104), the ResidMLP
+    0.01 over 20 features (gathered: 88; its site inputs factored, targets/lowrank.py); data
     drawn at 0.6 has more live rows and takes the full-batch branch."""
-    from ppgd_tpu.config import FreshPGDTerm, TMSConfig
+    from ppgd_tpu.config import FreshPGDTerm, ResidMLPConfig, TMSConfig
     from ppgd_tpu.step import Decomposer
 
     cfg = _tiny_cfg(
@@ -768,13 +768,17 @@ def test_S2_step_on_the_live_rows_equals_the_full_batch_step(data_p, size, ci_ki
                              reference_token_count=256.0))
     cfg = dataclasses.replace(cfg, decomp=dataclasses.replace(
         cfg.decomp, ci_fn=dataclasses.replace(cfg.decomp.ci_fn, kind=ci_kind)))
-    t = tms.init(TMSConfig(feature_probability=0.05), jax.random.key(0))
+    if kind == "tms":
+        t, k = tms.init(TMSConfig(feature_probability=0.05), jax.random.key(0)), 104
+    else:
+        t, k = resid_mlp.init(ResidMLPConfig(n_features=20, d_embed=40, d_mlp=8,
+                                             feature_probability=0.01), jax.random.key(0)), 88
     rows = 256
     data = dataclasses.replace(t, feature_probability=data_p)
-    live = Decomposer(cfg, t, (rows, 5))
-    full = Decomposer(cfg, t, (rows, 5))
+    live = Decomposer(cfg, t, (rows, t.n_features))
+    full = Decomposer(cfg, t, (rows, t.n_features))
     full.skip_dead_rows = False
-    assert live.live_sizes == (104, rows) and live.skip_dead_rows
+    assert live.live_sizes == (k, rows) and live.skip_dead_rows
     state = live.init(t)
     # the second step starts from trained adversaries and components, on another batch: rows
     # live in the first and dead in the second carry Adam moments into their idle ascents

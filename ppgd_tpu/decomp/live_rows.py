@@ -57,8 +57,7 @@ class Subset(NamedTuple):
 
     def take(self, tree):
         """The subset's rows of every [rows, ...] leaf (a differentiable gather)."""
-        n = self.order.shape[0]
-        return jax.tree.map(lambda a: a[self.rows] if a.ndim and a.shape[0] == n else a, tree)
+        return _map_rows(lambda a: a[self.rows], tree, self.order.shape[0])
 
     def put(self, full, tree):
         """`full` with the subset's rows of each [rows, ...] leaf replaced by `tree`'s (the
@@ -77,13 +76,23 @@ class Subset(NamedTuple):
     def take_and_zero_row(self, tree):
         """The subset's rows of every [rows, ...] leaf, then one all-zero row: it stands for
         the batch's other rows, all dead (every site input zero), so for the CI fn's taps."""
-        return jax.tree.map(lambda a: jnp.concatenate([a[self.rows], jnp.zeros_like(a[:1])]),
-                            tree)
+        return _map_rows(lambda a: jnp.concatenate([a[self.rows], jnp.zeros_like(a[:1])]),
+                         tree, self.order.shape[0])
 
     @property
     def counts(self) -> np.ndarray:
         """How many batch rows each row of `take_and_zero_row` stands for."""
         return np.append(np.ones(self.k, np.float32), np.float32(self.order.shape[0] - self.k))
+
+
+def _map_rows(fn, tree, n: int):
+    """`fn` on every [n, ...] leaf of `tree`. A factored activation (targets/lowrank.py) has
+    its rows in its coefficients; its bases are weights, whatever their first dimension."""
+    def one(x):
+        if isinstance(x, LowRank):
+            return LowRank(tuple(fn(a) for a in x.coeffs), x.bases)
+        return fn(x) if x.ndim and x.shape[0] == n else x
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, LowRank))
 
 
 def rows_before(live):
