@@ -270,13 +270,13 @@ class Decomposer:
                                        batch_c, clean)
         live = None if keep_env else self.live_rows(target_c, batch_c)
         if live is None:
-            advs, parts, g_comp, g_env, g_ci, env = recon_part(None)
+            advs, parts, g_comp, g_env, g_ci, new_env = recon_part(None)
         else:
             assert not ci_live or set(state.ci_fn.input_names) <= set(self.sites), \
                 "live_rows.py: a CI fn reading more than site inputs needs every row"
             advs, parts, g_comp, g_env, g_ci = live_lib.switch(
                 live, self.live_sizes, lambda rows: recon_part(rows)[:5])
-            env = None  # only full_keep returns it, and it runs every row
+            new_env = None  # only full_keep returns it, and it runs every row
 
         if acc is not None:
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, g_env)
@@ -305,7 +305,7 @@ class Decomposer:
             metrics["train/grad_norms/summary/total"] = jnp.sqrt(g_norm_c ** 2 + g_norm_ci ** 2)
         new = TrainState(step=step + 1, components=comps, ci_fn=ci_fn, opt_components=opt_c,
                          opt_ci_fn=opt_ci, adversaries=advs)
-        return new, jax.lax.stop_gradient(env), acc, metrics
+        return new, jax.lax.stop_gradient(new_env), acc, metrics
 
     # ------------------------------------------------------------ the variants (SPEC 7)
 

@@ -18,12 +18,12 @@ from ppgd_tpu.targets import tms
 K = 4
 
 
-def _cfg(mode="every", k=K, ci_kind="per_component_mlp", ppgd=True):
+def _cfg(mode="every", k=K, ci_kind="per_component_mlp", ppgd=True, rows=64):
     cfg = Config()
     terms = {"ppgd": PersistentPGDTerm(coeff=0.5, scope="bsc", n_warmup=1)} if ppgd else {}
     return dataclasses.replace(
         cfg,
-        data=dataclasses.replace(cfg.data, batch_size=64, train_batch_replay=k,
+        data=dataclasses.replace(cfg.data, batch_size=rows, train_batch_replay=k,
                                  replay_ci_update=mode),
         loss=dataclasses.replace(cfg.loss, persistent_pgd=terms),
         decomp=dataclasses.replace(
@@ -76,14 +76,17 @@ def test_compute_ci_equals_the_full_step_envelope(target):
     _assert_same(dec.compute_ci(target, state, batch), env, rtol=1e-6, atol=1e-7)
 
 
-def _run(target, mode, steps, ci_kind="per_component_mlp", ppgd=True):
-    cfg, dec, state, batch = _setup(target, mode, ci_kind, ppgd)
+def _run(target, mode, steps, ci_kind="per_component_mlp", ppgd=True, rows=64,
+         skip_dead_rows=True):
+    cfg = _cfg(mode, ci_kind=ci_kind, ppgd=ppgd, rows=rows)
+    dec = Decomposer(cfg, target, (rows, 5))
+    dec.skip_dead_rows = skip_dead_rows
     ctl = ReplayController(dec)
     state = jax.jit(dec.init)(target)  # distinct buffers, as the engine makes them
     states, metrics = [], []
     for s in range(steps):
         states.append(jax.tree.map(jnp.copy, state))  # the controller donates `state`
-        state, m = ctl.step(s, state, target, target.sample(jax.random.key(s // K), 64))
+        state, m = ctl.step(s, state, target, target.sample(jax.random.key(s // K), rows))
         metrics.append(jax.device_get(m))
     return dec, state, states, metrics
 
@@ -139,6 +142,17 @@ def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target):
         assert not np.allclose(got, ps[0], atol=1e-2 * np.abs(got).max())  # not one step's
     assert int(mean_end.opt_ci_fn[0].count) == 1  # ONE update per window
     assert ["train/grad_norms/summary/ci_fn" in m for m in metrics] == [False] * (K - 1) + [True]
+
+
+@pytest.mark.parametrize("mode", ["first", "last", "mean"])
+def test_W2_replay_variants_on_the_live_rows_end_where_their_all_rows_runs_end(target, mode):
+    """live_rows.py inside replay windows: 256 rows compile the live-rows branch (104 rows)
+    into every variant a mode runs (full_keep, repeat, mean_accum, mean_update), and two
+    windows end where the same run on every row ends, to float reassociation."""
+    dec, live_end, _, _ = _run(target, mode, 2 * K, rows=256)
+    assert dec.live_sizes == (104, 256) and dec.skip_dead_rows
+    _, full_end, _, _ = _run(target, mode, 2 * K, rows=256, skip_dead_rows=False)
+    _assert_same(live_end, full_end, rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("mode", ["first", "last", "mean"])
