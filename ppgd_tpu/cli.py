@@ -9,8 +9,8 @@ compute and without touching an existing run directory.
 from __future__ import annotations
 
 import difflib
-import logging as std_logging
 import importlib
+import logging as std_logging
 import re
 import sys
 import typing
