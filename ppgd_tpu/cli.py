@@ -69,11 +69,7 @@ def _define(fv: flags.FlagValues, path: str, tp, default, help_: str) -> None:
         flags.DEFINE_enum(path, None, [str(a) for a in typing.get_args(tp)], **kw)
     elif tp is bool:
         flags.DEFINE_boolean(path, None, **kw)
-    elif tp is int:
-        flags.DEFINE_integer(path, None, **kw)
-    elif tp is float:
-        flags.DEFINE_float(path, None, **kw)
-    else:
+    else:  # numbers too: typed by config._coerce, as a YAML value is (`--decomp.steps=2e4`)
         flags.DEFINE_string(path, None, **kw)
 
 

@@ -326,11 +326,10 @@ def _coerce(value, tp, path: str):
             return value
         raise not_a(path, value, bool)
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise not_a(path, value, int)
+        n = _whole_number(value)
+        if n is None:
+            raise not_a(path, value, int)
+        return n
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -345,6 +344,24 @@ def _coerce(value, tp, path: str):
             return value
         raise not_a(path, value, str)
     raise TypeError(f"unsupported schema type {tp} at {path}")
+
+
+def _whole_number(value) -> int | None:
+    """An int field's value: an int, or a number or numeric string equal to one (`steps: 2e4`;
+    YAML reads 2e4 as a string and 2.0e+4 as a float); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            try:
+                value = float(value)
+            except ValueError:
+                return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    return value if isinstance(value, int) else None
 
 
 _KINDS = {bool: "a bool; expected true or false", int: "an integer", float: "a number",

@@ -27,7 +27,7 @@ def _run(argv, capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["--decomp.stepz=3"], "--decomp.stepz: unknown flag; did you mean --decomp.steps"),
     (["--decomp.steps=abc"], "decomp.steps: 'abc' is not an integer"),
-    (["--decomp.steps=1.5"], "decomp.steps: '1.5' is not an integer"),
+    (["--decomp.steps=1.5"], "decomp.steps: 1.5 is not an integer"),
     (["--loss.imp_min.coeff=x"], "loss.imp_min.coeff: 'x' is not a number"),
     (["--decomp.use_delta=maybe"], "decomp.use_delta: 'maybe' is not a bool; expected true or false"),
     (["--decomp.steps=0"], "decomp.steps: 0 is out of range; must be >= 1"),
@@ -63,6 +63,18 @@ def test_a_bad_value_reads_the_same_from_yaml_and_from_a_flag(field, value, caps
     assert rc_yaml == rc_flag == 2
     assert from_yaml.strip().splitlines()[-1] == from_flag.strip().splitlines()[-1]
     assert f"{field}: {value!r} is not" in from_flag
+
+
+@pytest.mark.parametrize("text,want", [("2e4", 20000), ("2.5e3", 2500), ("1_000", 1000),
+                                       ("20000", 20000)])
+def test_an_integer_field_takes_a_whole_number_written_as_a_float(text, want, tmp_path):
+    """`steps: 2e4` is 20000 from YAML (where PyYAML reads it as a string) and from a flag;
+    '1.5' and 'abc' stay refused (the tests above)."""
+    (tmp_path / "c.yaml").write_text(f"decomp:\n  steps: {text}\n")
+    from_yaml, _ = cli.parse_config_args([f"--config={tmp_path / 'c.yaml'}"])
+    from_flag, _ = cli.parse_config_args([f"--decomp.steps={text}"])
+    assert from_yaml.decomp.steps == from_flag.decomp.steps == want
+    assert type(from_flag.decomp.steps) is int
 
 
 @pytest.mark.parametrize("argv,needle", [
