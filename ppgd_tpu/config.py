@@ -150,6 +150,9 @@ class DecompConfig:
     sites: dict[str, int] = _f(factory=lambda: {"*": 20},
                                help="site name or glob -> number of components C")
     use_delta: bool = _f(True, "mask the delta W - VU as a (C+1)-th channel")
+    tie: dict[str, str] = _f(factory=dict, help="site -> source site whose components it "
+                             "shares, transposed: V = U_src^T, U = V_src^T (the reference's "
+                             "tied_weights; TMS: {linear2: linear1})")
     ci_fn: CIFnConfig = _f(factory=CIFnConfig, help="CI function")
     steps: int = _f(20000, "optimizer steps", lo=1)
     lr_components: Schedule = _f(factory=lambda: Schedule("cosine", 1e-3), help="V/U lr")
@@ -158,6 +161,8 @@ class DecompConfig:
     grad_clip_components: float = _f(0.01, "global-norm clip of the component gradient [S19]", lo=0.0)
     faithfulness_warmup_steps: int = _f(0, "AdamW steps on faithfulness alone before step 0 [S21]", lo=0)
     faithfulness_warmup_lr: float = _f(1e-3, "lr of the faithfulness warmup", lo=0.0)
+    faithfulness_warmup_weight_decay: float = _f(0.0, "AdamW weight decay of the faithfulness "
+                                                 "warmup", lo=0.0)
     compute_dtype: Literal["float32", "bfloat16"] = _f("float32", "forward dtype (masters stay fp32)")
 
 

@@ -22,7 +22,7 @@ from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu.config import Config, ConfigError, config_hash
 from ppgd_tpu.data import lm as data_lib
-from ppgd_tpu.decomp.components import resolve_sites
+from ppgd_tpu.decomp.components import resolve_sites, resolve_ties
 from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import Decomposer, TrainState
 from ppgd_tpu.targets import build as target_build
@@ -51,7 +51,8 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         # Site patterns and the mesh are checked before any compute [D3].
-        resolve_sites(cfg.decomp.sites, target_build.site_names(cfg.target))
+        shapes = target_build.site_shapes(cfg.target)
+        resolve_ties(cfg.decomp.tie, resolve_sites(cfg.decomp.sites, tuple(shapes)), shapes)
         self.mesh = mesh_lib.make_mesh(cfg.mesh)
         mesh_lib.check_batches(cfg, self.mesh)
         target = target_build.build(cfg.target)

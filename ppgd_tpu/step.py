@@ -62,6 +62,8 @@ class Decomposer:
         self.cfg = cfg
         weights = target.site_weights()
         self.C = comp_lib.resolve_sites(cfg.decomp.sites, tuple(weights))
+        self.ties = comp_lib.resolve_ties(cfg.decomp.tie, self.C,
+                                          {s: w.shape for s, w in weights.items()})
         self.sites = tuple(self.C)  # canonical order; dict order inside jit is sorted
         self.d_in = target.tap_widths()  # every tap a CI fn may read, site inputs included
         self.leading = target.leading_shape(tuple(batch_shape))
@@ -80,8 +82,8 @@ class Decomposer:
 
     def init(self, target: Target) -> TrainState:
         key = self.run_key()
-        comps = comp_lib.init(jax.random.fold_in(key, _INIT_COMPONENTS), target.site_weights(),
-                              self.C)
+        comps = comp_lib.tie(comp_lib.init(jax.random.fold_in(key, _INIT_COMPONENTS),
+                                           target.site_weights(), self.C), self.ties)
         ci_fn = ci_lib.init(self.cfg.decomp.ci_fn, jax.random.fold_in(key, _INIT_CI), self.d_in,
                             self.C)
         advs = {n: adv_lib.init(jax.random.fold_in(jax.random.fold_in(key, _INIT_ADV), i),
@@ -96,13 +98,15 @@ class Decomposer:
         n = self.cfg.decomp.faithfulness_warmup_steps
         weights = target.site_weights()
         lr = self.cfg.decomp.faithfulness_warmup_lr
+        opt = adamw(self.cfg.decomp.faithfulness_warmup_weight_decay)
 
         def body(carry, _):
             comps, opt_state = carry
-            g = jax.grad(comp_lib.faithfulness)(comps, weights)
-            return apply_update(comps, g, opt_state, self.opt, lr), None
+            g = comp_lib.tie_grads(jax.grad(comp_lib.faithfulness)(comps, weights), self.ties)
+            comps, opt_state = apply_update(comps, g, opt_state, opt, lr)
+            return (comp_lib.tie(comps, self.ties), opt_state), None
 
-        (comps, _), _ = jax.lax.scan(body, (state.components, self.opt.init(state.components)),
+        (comps, _), _ = jax.lax.scan(body, (state.components, opt.init(state.components)),
                                      None, length=n)
         return eqx.tree_at(lambda s: s.components, state, comps)
 
@@ -287,9 +291,11 @@ class Decomposer:
             k = cfg.data.train_batch_replay
             g_ci, _ = ci_vjp(jax.tree.map(lambda a, e: (a / k).astype(e.dtype), acc, env))
         lr_c = schedule_value(cfg.decomp.lr_components, step, self.steps)
+        g_comp = comp_lib.tie_grads(g_comp, self.ties)
         g_norm_c = global_norm(g_comp)
         g_comp = clip_by_global_norm(g_comp, cfg.decomp.grad_clip_components)
         comps, opt_c = apply_update(state.components, g_comp, state.opt_components, self.opt, lr_c)
+        comps = comp_lib.tie(comps, self.ties)
 
         metrics = {f"train/loss/{k}": v for k, v in parts.items()}
         metrics["train/lr/components"] = lr_c

@@ -100,6 +100,10 @@ def test_refused_yaml_names_the_dotted_path(capsys, tmp_path):
     cfg.write_text("decomp:\n  sites: {mlp_in: 4}\n")
     rc, _, err = _run(["train", f"--config={cfg}"], capsys)
     assert rc == 2 and "decomp.sites.mlp_in: matches no site" in err and "linear1" in err
+    cfg.write_text("decomp:\n  tie: {linear2: linear3}\n")
+    rc, _, err = _run(["train", f"--config={cfg}", f"--run_dir={tmp_path / 'r'}"], capsys)
+    assert rc == 2 and "decomp.tie.linear2: 'linear3' is not a decomposed site" in err
+    assert not (tmp_path / "r").exists()
     rc, _, err = _run(["train", f"--config={tmp_path / 'missing.yaml'}"], capsys)
     assert rc == 2 and "--config: no such file" in err
 

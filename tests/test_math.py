@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -494,6 +495,64 @@ def test_S21_faithfulness_warmup_reduces_faithfulness_only():
     for a, b in zip(jax.tree.leaves((s0.ci_fn, s0.opt_components)),
                     jax.tree.leaves((s1.ci_fn, s1.opt_components))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_tie_grads_is_the_chain_rule_through_tie():
+    """decomp.tie: the gradient a tied group gets is that of the loss as a function of the
+    source's V, U alone (V_t = U_src^T, U_t = V_src^T); the tied sites' own is zero."""
+    shapes = {"a": (5, 3), "b": (3, 5), "c": (3, 5), "d": (5, 3)}
+    C = {s: 4 for s in shapes}
+    ties = components.resolve_ties({"b": "a", "c": "a"}, C, shapes)
+    base = components.init(jax.random.key(0), {s: jnp.zeros(sh) for s, sh in shapes.items()}, C)
+
+    def loss(comps):  # a different nonlinear function of every site's V and U
+        return sum(jnp.sum(jnp.sin((i + 1.0) * comps.V[s] @ comps.U[s])) + jnp.sum(
+            comps.V[s] ** 3) * (i + 2.0) for i, s in enumerate(shapes))
+
+    got = components.tie_grads(jax.grad(loss)(components.tie(base, ties)), ties)
+    want = jax.grad(lambda c: loss(components.tie(c, ties)))(base)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(got.V["b"]).max()) == 0.0 and float(jnp.abs(got.U["a"]).max()) > 0
+
+
+def test_tied_sites_stay_the_transposed_source_through_warmup_and_steps():
+    from ppgd_tpu.step import Decomposer
+
+    cfg = _tiny_cfg()
+    cfg = dataclasses.replace(cfg, decomp=dataclasses.replace(
+        cfg.decomp, tie={"linear2": "linear1"}, faithfulness_warmup_steps=5))
+    t = _toy_target()
+    dec = Decomposer(cfg, t, (32, 5))
+    x = t.sample(jax.random.key(5), 32)
+    s = dec.init(t)
+    untied = Decomposer(_tiny_cfg(), t, (32, 5)).init(t)
+    assert not np.allclose(untied.components.V["linear2"], untied.components.U["linear1"].T)
+    states = [s, dec.faithfulness_warmup(s, t)]
+    for _ in range(2):
+        states.append(dec.full(states[-1], t, x)[0])
+    for st in states:
+        c = st.components
+        np.testing.assert_array_equal(c.V["linear2"], c.U["linear1"].T)
+        np.testing.assert_array_equal(c.U["linear2"], c.V["linear1"].T)
+    assert not np.array_equal(states[-1].components.V["linear1"], states[1].components.V["linear1"])
+
+
+@pytest.mark.parametrize("ties,needle", [
+    ({"linear2": "linear3"}, "decomp.tie.linear2: 'linear3' is not a decomposed site"),
+    ({"linear2": "linear1", "linear1": "linear2"}, "decomp.tie.linear2: 'linear1' is itself tied"),
+    ({"linear2": "linear2"}, "decomp.tie.linear2: 'linear2' is itself tied"),
+    ({"hidden_layers.0": "linear1"}, "decomp.tie.hidden_layers.0: hidden_layers.0 (weight (2, 2)"),
+])
+def test_bad_ties_are_refused_naming_the_field(ties, needle):
+    from ppgd_tpu.config import ConfigError
+
+    shapes = {"linear1": (5, 2), "hidden_layers.0": (2, 2), "linear2": (2, 5)}
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        components.resolve_ties(ties, {s: 4 for s in shapes}, shapes)
+    with pytest.raises(ConfigError, match="needs the transposed weight shape and the same C"):
+        components.resolve_ties({"linear2": "linear1"}, {"linear1": 4, "linear2": 3,
+                                                         "hidden_layers.0": 2}, shapes)
 
 
 def test_fresh_pgd_term_trains_components_not_sources_and_is_adversarial():

@@ -45,6 +45,51 @@ def resolve_sites(patterns: dict[str, int], site_names) -> dict[str, int]:
     return out
 
 
+def resolve_ties(ties: dict[str, str], C: dict[str, int],
+                 shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """{tied site: source site}, checked: both decomposed, a source is not itself tied, and the
+    tied site's weight is the source's transposed with the same C (so V = U_src^T fits)."""
+    for t, src in ties.items():
+        path = f"decomp.tie.{t}"
+        for s in (t, src):
+            if s not in C:
+                raise ConfigError(f"{path}: {s!r} is not a decomposed site; they are "
+                                  f"{', '.join(C)}")
+        if t == src or src in ties:
+            raise ConfigError(f"{path}: {src!r} is itself tied; a source must be an untied site "
+                              f"(tied sites: {', '.join(ties)})")
+        if tuple(shapes[t]) != tuple(shapes[src])[::-1] or C[t] != C[src]:
+            raise ConfigError(
+                f"{path}: {t} (weight {tuple(shapes[t])}, C = {C[t]}) cannot share {src}'s "
+                f"components (weight {tuple(shapes[src])}, C = {C[src]}): it needs the "
+                "transposed weight shape and the same C")
+    return dict(ties)
+
+
+def tie(components: Components, ties: dict[str, str]) -> Components:
+    """A tied site's components are its source's transposed: V_t = U_src^T, U_t = V_src^T
+    (the reference's `tied_weights`, for TMS's W / W^T). Its own values are never trained."""
+    if not ties:
+        return components
+    V, U = dict(components.V), dict(components.U)
+    for t, src in ties.items():
+        V[t], U[t] = components.U[src].T, components.V[src].T
+    return Components(V=V, U=U)
+
+
+def tie_grads(grads: Components, ties: dict[str, str]) -> Components:
+    """The gradient w.r.t. the shared parameters: a tied site's V/U gradients, transposed, add
+    onto its source's U/V (the chain rule through `tie`); the tied site's own are zero."""
+    if not ties:
+        return grads
+    V, U = dict(grads.V), dict(grads.U)
+    for t, src in ties.items():
+        U[src] = U[src] + grads.V[t].T
+        V[src] = V[src] + grads.U[t].T
+        V[t], U[t] = jnp.zeros_like(grads.V[t]), jnp.zeros_like(grads.U[t])
+    return Components(V=V, U=U)
+
+
 def init(key, weights: dict[str, jax.Array], C: dict[str, int]) -> Components:
     """V ~ N(0, 1/d_in), U ~ N(0, 1/C): V U starts small and the [S21] warmup or the
     faithfulness term pulls it onto W."""

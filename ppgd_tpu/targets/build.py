@@ -149,13 +149,15 @@ def build(cfg: TargetConfig) -> Target:
     return target
 
 
-def site_names(cfg: TargetConfig) -> tuple[str, ...]:
-    """The target's sites in canonical order, from shapes alone (no compute)."""
+def site_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
+    """The target's sites and weight shapes in canonical order, from shapes alone (no compute)."""
     mod, sub = _kind(cfg)
-    names: list[str] = []
+    shapes: dict[str, tuple[int, ...]] = {}
 
     def trace():  # dict outputs come back key-sorted, so record the order while tracing
-        names.extend(mod.init(sub, jax.random.key(0)).site_names)
+        t = mod.init(sub, jax.random.key(0))
+        weights = t.site_weights()
+        shapes.update((n, tuple(weights[n].shape)) for n in t.site_names)
 
     jax.eval_shape(trace)
-    return tuple(names)
+    return shapes
