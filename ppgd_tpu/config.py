@@ -489,11 +489,31 @@ def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     return validate(from_dict(Config, data))
 
 
+def _mappings(cfg, path: str = ""):
+    """Yields (dotted_path, key -> value annotation, help) for every mapping field of `cfg`."""
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        sub, tp = f"{path}.{f.name}" if path else f.name, hints[f.name]
+        if dataclasses.is_dataclass(getattr(cfg, f.name)):
+            yield from _mappings(getattr(cfg, f.name), sub)
+        elif typing.get_origin(tp) is dict:
+            yield sub, typing.get_args(tp)[1], f.metadata.get("help", "")
+
+
 def describe(cfg: Config) -> str:
-    """One line per leaf: dotted path, type, default, meaning (for --helpfull)."""
+    """One line per leaf: dotted path, type, default, meaning (for --helpfull); then the
+    mappings, whose entries (flags above) come from the YAML, an empty one included."""
     rows = []
     for path, tp, value, help_ in leaves(cfg):
         rows.append(f"  --{path}={json.dumps(value)}  [{_type_name(tp)}]  {help_}")
+    rows.append("mappings (add entries in the --config YAML; each entry's fields are then flags):")
+    for path, val_tp, help_ in _mappings(cfg):
+        if _is_dataclass_type(val_tp):
+            fields = ", ".join(f.name for f in dataclasses.fields(val_tp))
+            entry = f"{val_tp.__name__} {{{fields}}}"
+        else:
+            entry = _type_name(val_tp)
+        rows.append(f"  {path}: {{<name>: {entry}}}  {help_}")
     return "\n".join(rows)
 
 

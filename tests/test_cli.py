@@ -140,6 +140,10 @@ def test_helpfull_lists_every_field_with_type_default_and_meaning(capsys):
     assert '--decomp.steps=20000  [int]  optimizer steps' in out
     assert "--loss.stochastic.layerwise.plan=\"chunked\"  [one of 'all', 'chunked']" in out
     assert "--loss.imp_min.p.value=1.0  [float]" in out
+    # a mapping that is empty by default has no flags; it is still listed, with its entries
+    assert "  decomp.tie: {<name>: str}  site -> source site" in out
+    assert ("  loss.persistent_pgd: {<name>: PersistentPGDTerm {coeff, scope, n_warmup, lr, "
+            in out)
 
 
 @pytest.fixture(scope="module")
