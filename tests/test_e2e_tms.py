@@ -30,6 +30,17 @@ def test_tms_5_2_recovers_the_features(tmp_path):
     assert s["eval/recon/ci_masked"] < 0.1 * s["eval/recon/zero"]
 
 
+@pytest.mark.parametrize("seed", [1, 3])
+def test_tms_5_2_tied_recovers_the_features(tmp_path, seed):
+    """linear2 tied to linear1 (decomp.tie, as the SPD reference decomposes a tied TMS) at
+    seeds where the untied 20k-step run leaves linear2 with fewer components (README)."""
+    s = _summary(tmp_path, f"tied_{seed}", [f"--seed={seed}"], config="tms_5-2-tied")
+    for site in ("linear1", "linear2"):
+        assert s[f"eval/alive/{site}"] == 5, s
+        assert s[f"eval/identity_ci_error/{site}"] == 0, s
+        assert s[f"eval/mmcs/{site}"] >= 0.99, s
+
+
 @pytest.mark.parametrize("coeff,name", [(0.0, "no_penalty"), (0.3, "too_strong")])
 def test_wrong_sparsity_penalty_breaks_the_metrics(tmp_path, coeff, name):
     s = _summary(tmp_path, name, [f"--loss.imp_min.coeff={coeff}", "--decomp.steps=1500"])
