@@ -83,5 +83,5 @@ def test_the_shipped_pretrain_config_parses():
                         "llama_simple_mlp_2L_pretrain.yaml")
     cfg = load(path)
     assert cfg.target.kind == "llama_simple_mlp"
-    names = build.site_names(cfg.target)
+    names = list(build.site_shapes(cfg.target))
     assert len(names) == 12 and names[-1] == "h.1.mlp.down_proj"
