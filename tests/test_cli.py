@@ -179,22 +179,28 @@ def test_run_dir_holds_config_metrics_summary_figures(finished_run):
     assert {"ci_per_feature.png", "component_weights.png", "ci_histograms.png"} <= figs
 
 
-def test_resid_mlp1_config_trains_its_target_and_reports_its_site_metrics(tmp_path):
-    """configs/resid_mlp1.yaml end to end, briefly: the target is trained, validated and
-    decomposed, and each site gets the one-hot metrics of its ground truth - the identity
-    on mlp_in, one rank-50 mechanism on mlp_out, whose input units are neurons."""
+@pytest.mark.parametrize("name,n_layers,d_mlp", [("resid_mlp1", 1, 50), ("resid_mlp2", 2, 25)])
+def test_resid_mlp_config_trains_its_target_and_reports_its_site_metrics(tmp_path, name,
+                                                                          n_layers, d_mlp):
+    """configs/resid_mlp{1,2}.yaml end to end, briefly: the target is trained, validated and
+    decomposed, and each layer's sites get the one-hot metrics of their ground truth - the
+    identity on every mlp_in, one rank-d_mlp mechanism on every mlp_out, whose input units
+    are neurons."""
     run_dir = tmp_path / "resid"
-    assert cli.run(["train", "--config=configs/resid_mlp1.yaml", f"--run_dir={run_dir}",
+    assert cli.run(["train", f"--config=configs/{name}.yaml", f"--run_dir={run_dir}",
                     *TINY, "--eval.figures=false"]) == 0
     s = json.load(open(run_dir / "summary.json"))
-    assert s["eval/identity_ci_error/layers.0.mlp_in"] >= 0
-    assert s["eval/dense_ci_error/layers.0.mlp_out"] >= 0
-    assert 0.0 < s["eval/neuron_alignment/layers.0.mlp_out"] <= 1.0
-    for key in ("eval/identity_ci_error/layers.0.mlp_out", "eval/dense_ci_error/layers.0.mlp_in",
-                "eval/neuron_alignment/layers.0.mlp_in", "eval/mmcs/layers.0.mlp_out"):
-        assert key not in s, key
     d = load_decomposition(str(run_dir))
-    assert d["layers.0.mlp_out"]["V"].shape == (50, 100)
+    assert len(d) == 2 * n_layers
+    for i in range(n_layers):
+        mlp_in, mlp_out = f"layers.{i}.mlp_in", f"layers.{i}.mlp_out"
+        assert s[f"eval/identity_ci_error/{mlp_in}"] >= 0
+        assert s[f"eval/dense_ci_error/{mlp_out}"] >= 0
+        assert 0.0 < s[f"eval/neuron_alignment/{mlp_out}"] <= 1.0
+        for key in (f"identity_ci_error/{mlp_out}", f"dense_ci_error/{mlp_in}",
+                    f"neuron_alignment/{mlp_in}", f"mmcs/{mlp_out}"):
+            assert f"eval/{key}" not in s, key
+        assert d[mlp_out]["V"].shape[0] == d[mlp_in]["U"].shape[1] == d_mlp
 
 
 def test_load_decomposition_returns_numpy_components(finished_run):

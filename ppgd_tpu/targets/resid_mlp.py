@@ -46,7 +46,9 @@ class ResidMLP(Target):
 
     @property
     def identity_ci_sites(self):
-        return ("layers.0.mlp_in",)
+        """Every layer's mlp_in reads each feature's direction off the residual stream: one
+        component per feature in each (the reference's IdentityCIError on layers.*.mlp_in)."""
+        return tuple(f"layers.{i}.mlp_in" for i in range(len(self.W_in)))
 
     @property
     def dense_ci_sites(self):
