@@ -102,8 +102,10 @@ def worker(mode: str, args: dict) -> None:
         jax.distributed.initialize(f"127.0.0.1:{args['port']}", 2, args["process_id"])
         from jax._src import distributed
 
-        def barrier(name):
+        def wait_at_barrier(name):
             distributed.global_state.client.wait_at_barrier(name, 120_000)
+
+        barrier = wait_at_barrier
 
     mesh = _mesh(args["mesh"])
     state = _place(global_state(), _shardings(mesh, WRITE_SPECS))
