@@ -12,10 +12,10 @@ cannot fuse into one pass, so on CPU (measured with `ppgd-tpu bench step`):
   CI fn's forward + backward);
 - the backward recomputes the hidden layer chunk by chunk and accumulates the weight
   gradients, so the working set stays in cache (~2x on the backward);
-- the hidden layer is laid out [h, rows, C], so every sum (over h; over rows for the weight
-  gradients) is over a major axis, which XLA:CPU vectorises along C; laid out [rows, C, h]
-  it reduced the minor h lane by lane (the backward 1.6x slower; the TMS 5-2 ref step 1.28x,
-  ResidMLP-1 1.15x; bit-identical results);
+- the hidden layer is laid out [rows, h, C], so every sum (over h; over rows for the weight
+  gradients) is over a non-minor axis, which XLA:CPU vectorises along C; laid out
+  [rows, C, h] it reduced the minor h lane by lane (the backward 1.6x slower; the TMS 5-2
+  ref step 1.3x, ResidMLP-1 1.2x; [h, rows, C] ~1.04x; bit-identical results);
 - narrow sites share one call (`site_mlps`), concatenated on C: each call pays for finding
   its live rows and for its chunk loop whatever its width (TMS 5-2 ref step 0.87x with its
   two 20-component sites together; ResidMLP-1's two 100-component sites each fill a chunk on
@@ -70,13 +70,13 @@ def _live_chunks(a, k: int):
 
 
 def _hidden(a, w1t, b1t):
-    """gelu and its slope on the hidden layer of rows a [k, C], laid out [h, k, C] (weights
-    [h, 1, C]; see the module docstring)."""
-    return _gelu_and_slope(a[None] * w1t + b1t)
+    """gelu and its slope on the hidden layer of rows a [k, C], laid out [k, h, C] (weights
+    [h, C]; see the module docstring)."""
+    return _gelu_and_slope(a[:, None] * w1t + b1t)
 
 
 def _forward(a, w1, b1, w2, b2):
-    return jnp.sum(_hidden(a, w1.T[:, None], b1.T[:, None])[0] * w2.T[:, None], 0) + b2
+    return jnp.sum(_hidden(a, w1.T, b1.T)[0] * w2.T, 1) + b2
 
 
 def _fwd(a, w1, b1, w2, b2):
@@ -101,16 +101,17 @@ def _bwd(res, g):
     a, idx, n_live, live, w1, b1, w2 = res
     y0, s0 = _gelu_and_slope(b1)
     g0 = jnp.sum(jnp.where(live[:, None], jnp.zeros_like(g), g), 0)  # [C]
-    w1t, b1t, w2t = w1.T[:, None], b1.T[:, None], w2.T[:, None]
+    w1t, b1t, w2t = w1.T, b1.T, w2.T
 
     def chunk(i, acc):
         dw1, db1, dw2, da = acc  # weight gradients [h, C]
         ac = a.at[idx[i]].get(mode="fill", fill_value=0)
         gc = g.at[idx[i]].get(mode="fill", fill_value=0)
         y, slope = _hidden(ac, w1t, b1t)
-        dpre = gc * w2t * slope
-        return (dw1 + jnp.sum(dpre * ac, 1), db1 + jnp.sum(dpre, 1), dw2 + jnp.sum(y * gc, 1),
-                da.at[idx[i]].set(jnp.sum(dpre * w1t, 0), mode="drop"))
+        dpre = gc[:, None] * w2t * slope
+        return (dw1 + jnp.sum(dpre * ac[:, None], 0), db1 + jnp.sum(dpre, 0),
+                dw2 + jnp.sum(y * gc[:, None], 0),
+                da.at[idx[i]].set(jnp.sum(dpre * w1t, 1), mode="drop"))
 
     f32 = jnp.result_type(a, w1)
     da0 = (g * jnp.sum(w2 * s0 * w1, -1)).astype(f32)
