@@ -11,7 +11,8 @@
   With `--devices 1,4` it instead runs itself once per device count (forced CPU devices in
   a subprocess) and compares the per-device memory of the placed train state: sharded
   leaves shrink with the device count, replicated ones do not. `--timing=false` reports
-  the state memory alone (no step is compiled or timed).
+  the state memory alone (no step is compiled or timed). `--profile=N` also lists the N
+  XLA ops the step spends the most CPU time in (a jax.profiler trace of n_steps steps).
 - `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
   a subprocess, plus its peak RSS; a first run (empty compile cache) or a repeat run.
 - `replay`: the full step vs the repeat step (their ratio), and the per-step time of whole
@@ -24,10 +25,14 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import gzip
 import json
 import os
+import pathlib
+import re
 import resource
 import subprocess
 import sys
@@ -86,7 +91,9 @@ def bench_step(args: list[str]) -> int:
         "devices": ("", "comma-separated device counts: compare state memory per device",
                     cli.counts),
         "timing": ("true", "time the steps (false: the placed state's memory only)",
-                   cli.choice("true", "false"))})
+                   cli.choice("true", "false")),
+        "profile": ("", "also list the N XLA ops the step spends the most time in, from "
+                    "a jax.profiler trace (empty: off)", lambda t: cli.count(t) if t else 0)})
     if extra["devices"]:
         return _devices_ab(args, extra["devices"])
     n = extra["n_steps"]
@@ -152,13 +159,67 @@ def bench_step(args: list[str]) -> int:
         "steps_per_s": 1.0 / loop_s,
         "peak_rss_mb": _peak_rss_mb(),
     }
-    # the A/Bs before the split, which donates `state`
+    # the A/Bs and the profile before the split, which donates `state`
     live_rows, ppgd = live_rows_ab(trainer, state, n), persistent_pgd_ab(trainer, state, n)
+    ops = op_profile(trainer, state, n, extra["profile"]) if extra["profile"] else []
     report.update(ci_fn_split(trainer, state, n))  # toys too: where the CI fn's time goes
     report.update(live_rows)
     report.update(ppgd)
     _print(report)
+    if ops:
+        _print_ops(ops)
     return 0
+
+
+_HLO_OP = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
+
+
+def _hlo_ops(hlo_text: str) -> dict[str, tuple[str, str, str]]:
+    """{instruction name: (opcode, shape, the JAX op it lowers)} of a compiled HLO module."""
+    ops = {}
+    for line in hlo_text.splitlines():
+        if m := _HLO_OP.match(line):
+            name, shape, opcode = m.groups()
+            src = re.search(r'op_name="([^"]*)"', line)
+            ops[name] = (opcode, re.sub(r"\{[^}]*\}", "", shape)[:48],
+                         src.group(1).split("/", 1)[-1] if src else "")
+    return ops
+
+
+def op_profile(trainer, state, n: int, top: int) -> list[tuple]:
+    """The `top` XLA ops of the jitted step by CPU time per step (summed over the threads
+    that ran them), from a jax.profiler trace of n steps: (ms/step, calls/step, name, opcode,
+    shape, JAX op). A while/conditional's time includes the ops of its body."""
+    step = jax.jit(trainer.dec.full, donate_argnums=0).lower(
+        state, trainer.target, trainer.batch(0)).compile()
+    ops = _hlo_ops(step.as_text())
+    st = jax.block_until_ready(step(jax.tree.map(jnp.copy, state), trainer.target,
+                                    trainer.batch(0))[0])
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for i in range(n):
+            st = step(st, trainer.target, trainer.batch(i))[0]
+        jax.block_until_ready(st)
+        jax.profiler.stop_trace()
+        traces = sorted(pathlib.Path(d).rglob("*.trace.json.gz"))
+        if not traces:
+            raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {d}")
+        events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
+    total, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in ops:
+            total[e["name"]] += e["dur"]
+            calls[e["name"]] += 1
+    return [(total[k] / n / 1e3, calls[k] / n, k, *ops[k]) for k, _ in total.most_common(top)]
+
+
+def _print_ops(rows: list[tuple]) -> None:
+    print("\nXLA ops by time per step: CPU time summed over the threads that ran the op (one "
+          "split over 2 threads counts twice); a while/conditional: its wall time, body "
+          "included")
+    print(f"{'ms/step':>8}  {'calls':>6}  op / opcode / shape / from")
+    for ms, calls, name, opcode, shape, src in rows:
+        print(f"{ms:8.3f}  {calls:6.1f}  {name}  {opcode}  {shape}  {src}")
 
 
 def _xla_gflop(compiled) -> float:

@@ -83,3 +83,18 @@ def test_bench_run_times_a_whole_run_and_refuses_an_unknown_cache_mode(capsys, t
     assert (tmp_path / "r" / "summary.json").exists() and "eval/recon/ci_masked" in report
     assert cli.run(["bench", "run", *TINY, "--compile_cache=tepid"]) == 2
     assert "--compile_cache='tepid': use one of cold, warm, off" in capsys.readouterr().err
+
+
+def test_bench_step_profile_lists_the_steps_xla_ops_by_time(capsys):
+    """`--profile=N`: the N ops of the compiled step that a jax.profiler trace spent the most
+    time in, each named as in the step's HLO, most expensive first."""
+    assert cli.run(["bench", "step", *TINY, "--n_steps=5", "--profile=6"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.split("ms/step  ")[-1].splitlines()[1:] if ln.strip()]
+    assert len(rows) == 6
+    ms = [float(r[0]) for r in rows]
+    assert ms == sorted(ms, reverse=True) and ms[0] > 0
+    assert all(float(r[1]) >= 1 for r in rows)  # calls per step
+    assert {r[3] for r in rows} & {"fusion", "dot", "while", "conditional"}
+    assert cli.run(["bench", "step", *TINY, "--profile=0"]) == 2
+    assert "--profile" in capsys.readouterr().err
