@@ -12,7 +12,7 @@
   a subprocess) and compares the per-device memory of the placed train state: sharded
   leaves shrink with the device count, replicated ones do not. `--timing=false` reports
   the state memory alone (no step is compiled or timed). `--profile=N` also lists the N
-  XLA ops the step spends the most CPU time in (a jax.profiler trace of n_steps steps).
+  XLA ops the step spends the most time in (a jax.profiler trace of n_steps steps).
 - `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
   a subprocess, plus its peak RSS; a first run (empty compile cache) or a repeat run.
 - `replay`: the full step vs the repeat step (their ratio), and the per-step time of whole
