@@ -75,20 +75,18 @@ def _hidden(a, w1t, b1t):
     return _gelu_and_slope(a[:, None] * w1t + b1t)
 
 
-def _forward(a, w1, b1, w2, b2):
-    return jnp.sum(_hidden(a, w1.T, b1.T)[0] * w2.T, 1) + b2
-
-
 def _fwd(a, w1, b1, w2, b2):
     a = jnp.asarray(a)  # eager callers may pass host constants, which have no `.at`
     rows, C = a.shape
     k = chunk_rows(rows, C * w1.shape[-1])
     idx, n_live, live = _live_chunks(a, k)
     y0, _ = _gelu_and_slope(b1)  # the hidden layer of an all-zero row
+    w1t, b1t, w2t = w1.T, b1.T, w2.T
 
     def chunk(i, out):
         ac = a.at[idx[i]].get(mode="fill", fill_value=0)
-        return out.at[idx[i]].set(_forward(ac, w1, b1, w2, b2), mode="drop")
+        y = jnp.sum(_hidden(ac, w1t, b1t)[0] * w2t, 1) + b2
+        return out.at[idx[i]].set(y, mode="drop")
 
     out0 = jnp.broadcast_to(jnp.sum(y0 * w2, -1) + b2, a.shape).astype(a.dtype)
     out = jax.lax.fori_loop(0, n_live, chunk, out0)
