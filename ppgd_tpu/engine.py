@@ -222,6 +222,9 @@ def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState) -> dic
         summary = {"step": cfg.decomp.steps, **summary}
         rd.write_summary(summary)
         print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
+        note = eval_lib.recovery_note(summary)
+        if note:
+            print(note)
     return summary
 
 

@@ -21,13 +21,15 @@ def _summary(tmp_path, name, extra, config="tms_5-2"):
     return json.load(open(run_dir / "summary.json"))
 
 
-def test_tms_5_2_recovers_the_features(tmp_path):
+def test_tms_5_2_recovers_the_features(tmp_path, capsys):
     s = _summary(tmp_path, "ok", [])
     for site in ("linear1", "linear2"):
         assert s[f"eval/alive/{site}"] == 5, s
         assert s[f"eval/identity_ci_error/{site}"] == 0, s
         assert s[f"eval/mmcs/{site}"] >= 0.99, s
+        assert s[f"eval/recovered/{site}"] == 1, s
     assert s["eval/recon/ci_masked"] < 0.1 * s["eval/recon/zero"]
+    assert "NOT recovered" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("seed", [1, 3])
@@ -42,11 +44,13 @@ def test_tms_5_2_tied_recovers_the_features(tmp_path, seed):
 
 
 @pytest.mark.parametrize("coeff,name", [(0.0, "no_penalty"), (0.3, "too_strong")])
-def test_wrong_sparsity_penalty_breaks_the_metrics(tmp_path, coeff, name):
+def test_wrong_sparsity_penalty_breaks_the_metrics(tmp_path, capsys, coeff, name):
     s = _summary(tmp_path, name, [f"--loss.imp_min.coeff={coeff}", "--decomp.steps=1500"])
-    broken = any(s[f"eval/alive/{site}"] != 5 or s[f"eval/identity_ci_error/{site}"] > 0
-                 for site in ("linear1", "linear2"))
+    broken = [site for site in ("linear1", "linear2")
+              if s[f"eval/alive/{site}"] != 5 or s[f"eval/identity_ci_error/{site}"] > 0]
     assert broken, s
+    assert all(s[f"eval/recovered/{site}"] == 0 for site in broken), s
+    assert f"NOT recovered on {', '.join(broken)}:" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("coeff,ok", [(3e-3, True), (0.0, False)])
@@ -59,3 +63,4 @@ def test_tms_5_2_identity_hidden_layer_is_2_components(tmp_path, coeff, ok):
     held = (s[f"eval/alive/{site}"] == 2 and s[f"eval/dense_ci_error/{site}"] == 0
             and s[f"eval/alive_sum_rel_error/{site}"] < 0.05)
     assert held == ok, s
+    assert s[f"eval/recovered/{site}"] == (s[f"eval/dense_ci_error/{site}"] == 0), s

@@ -17,6 +17,25 @@ def test_identity_ci_error_counts_after_the_best_permutation():
     assert eval_lib.identity_ci_error(ci, TOL) == 2
 
 
+def test_identity_recovered_needs_every_count():
+    """TOYS.md's ground truth: n alive, identity-CI error 0 and MMCS >= 0.99 together."""
+    assert eval_lib.identity_recovered(5, 5, 0, 0.9999)
+    assert eval_lib.identity_recovered(100, 100, 0, None)  # MMCS not measured on the site
+    assert not eval_lib.identity_recovered(5, 5, 6, 0.99)  # merged features, 5 alive
+    assert not eval_lib.identity_recovered(6, 5, 0, 1.0)  # a stray alive component
+    assert not eval_lib.identity_recovered(4, 5, 0, 1.0)
+    assert not eval_lib.identity_recovered(5, 5, 0, 0.985)  # the right pattern, blurred weights
+    assert eval_lib.identity_recovered(5, 5, 0, 0.99)
+
+
+def test_recovery_note_names_the_missed_sites():
+    summary = {"eval/recovered/linear1": 1, "eval/recovered/linear2": 0,
+               "eval/recovered/hidden_layers.0": 0, "eval/alive/linear2": 0}
+    note = eval_lib.recovery_note(summary)
+    assert "NOT recovered on linear2, hidden_layers.0:" in note
+    assert eval_lib.recovery_note({"eval/recovered/linear1": 1, "eval/alive/x": 0}) is None
+
+
 def test_dense_ci_error_counts_missing_and_extra_components():
     rng = np.random.default_rng(0)
     n, C, k = 10, 12, 4
