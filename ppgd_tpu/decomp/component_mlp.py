@@ -1,8 +1,8 @@
 """The per-component CI MLP's kernel (SPEC 3, the SPD paper's CI fn), shaped for XLA:CPU.
 
 out_c = sum_h w2[c,h] gelu(a_c w1[c,h] + b1[c,h]) + b2[c] over rows of a [*lead, C]: a pure
-elementwise-and-reduce over a hidden layer of h values per row and component that XLA:CPU
-cannot fuse into one pass, so on CPU (measured with `ppgd-tpu bench step`):
+elementwise-and-reduce over a hidden layer of h values per row and component, which XLA:CPU
+runs poorly as written, so on CPU (measured with `ppgd-tpu bench step`):
 
 - rows whose inputs are all exactly zero (TMS: 77% of a batch, every feature off) all have the
   output f(0) and the input gradient g * f'(0), so only the live rows go through the MLP:
@@ -10,10 +10,16 @@ cannot fuse into one pass, so on CPU (measured with `ppgd-tpu bench step`):
   is the number of chunks holding live rows (one compiled body, any live fraction). Exact:
   the same per-row arithmetic, the weight-gradient sums only reassociated (~2.4x on the TMS
   CI fn's forward + backward);
+- the forward sums over h unrolled, h terms of [rows, C] elementwise ops: one fused
+  elementwise pass that never forms the hidden layer (against a reduction over a
+  [rows, h, C] hidden layer: `bench step`'s ci_fn_ms 0.8x on ResidMLP-1 ref, 0.75x on TMS
+  5-2 ref; the output reassociated, within 2e-7 relative). The backward unrolled the same
+  way (its three row sums per hidden unit then 3h reductions, ~200 kernels per chunk) ran
+  no faster, so it keeps the layer;
 - the backward recomputes the hidden layer chunk by chunk and accumulates the weight
   gradients, so the working set stays in cache (~2x on the backward);
-- the hidden layer is laid out [rows, h, C], so every sum (over h; over rows for the weight
-  gradients) is over a non-minor axis, which XLA:CPU vectorises along C; laid out
+- the backward's hidden layer is laid out [rows, h, C], so every sum (over h; over rows for
+  the weight gradients) is over a non-minor axis, which XLA:CPU vectorises along C; laid out
   [rows, C, h] it reduced the minor h lane by lane (the backward 1.6x slower; the TMS 5-2
   ref step 1.3x, ResidMLP-1 1.2x; [h, rows, C] ~1.04x; bit-identical results);
 - narrow sites share one call (`site_mlps`), concatenated on C: each call pays for finding
@@ -69,12 +75,6 @@ def _live_chunks(a, k: int):
     return idx.reshape(n, k), (n_live + k - 1) // k, live
 
 
-def _hidden(a, w1t, b1t):
-    """gelu and its slope on the hidden layer of rows a [k, C], laid out [k, h, C] (weights
-    [h, C]; see the module docstring)."""
-    return _gelu_and_slope(a[:, None] * w1t + b1t)
-
-
 def _fwd(a, w1, b1, w2, b2):
     a = jnp.asarray(a)  # eager callers may pass host constants, which have no `.at`
     rows, C = a.shape
@@ -85,7 +85,9 @@ def _fwd(a, w1, b1, w2, b2):
 
     def chunk(i, out):
         ac = a.at[idx[i]].get(mode="fill", fill_value=0)
-        y = jnp.sum(_hidden(ac, w1t, b1t)[0] * w2t, 1) + b2
+        y = b2
+        for j in range(w1t.shape[0]):  # the sum over h unrolled: see the module docstring
+            y = y + _gelu_and_slope(ac * w1t[j] + b1t[j])[0] * w2t[j]
         return out.at[idx[i]].set(y, mode="drop")
 
     out0 = jnp.broadcast_to(jnp.sum(y0 * w2, -1) + b2, a.shape).astype(a.dtype)
@@ -105,7 +107,7 @@ def _bwd(res, g):
         dw1, db1, dw2, da = acc  # weight gradients [h, C]
         ac = a.at[idx[i]].get(mode="fill", fill_value=0)
         gc = g.at[idx[i]].get(mode="fill", fill_value=0)
-        y, slope = _hidden(ac, w1t, b1t)
+        y, slope = _gelu_and_slope(ac[:, None] * w1t + b1t)  # [k, h, C]: the docstring
         dpre = gc[:, None] * w2t * slope
         return (dw1 + jnp.sum(dpre * ac[:, None], 0), db1 + jnp.sum(dpre, 0),
                 dw2 + jnp.sum(y * gc[:, None], 0),
