@@ -50,6 +50,16 @@ def _split_value(args: list[str], name: str) -> str | None:
     return None
 
 
+def _named(args: list[str]) -> dict[str, str | None]:
+    """{name: value text} of every `--name=V` / `--name V` in args (V None if absent)."""
+    out = {}
+    for a in args:
+        if a.startswith("--"):
+            name = a[2:].split("=", 1)[0]
+            out[name] = _split_value(args, name)
+    return out
+
+
 def _join_values(args: list[str], names) -> list[str]:
     """`--name value` -> `--name=value` for these (string) flags, as absl expects."""
     out, i = [], 0
@@ -111,12 +121,13 @@ def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
     `extra` maps a command's own flag names to (default, help) or (default, help, parse):
     `parse` (e.g. `count`, `choice(...)`) turns the string into its value or raises
     ValueError saying what is valid, which exits 2 naming the flag. The YAML file is loaded
-    first so its dict entries (recon terms, site patterns) get flags too.
+    first so its dict entries (recon terms, site patterns) get flags too, as do the new
+    entries a flag names (`--decomp.tie.linear2=linear1`, config.with_entries).
     """
     extra = dict(extra or {})
     args = _join_values(args, ["config", *extra])
     path = _split_value(args, "config")
-    cfg = config_lib.load(path)
+    cfg = config_lib.with_entries(config_lib.load(path), _named(args))
     fv = flags.FlagValues()
     flags.DEFINE_string("config", None, "experiment YAML (none: the embedded default)",
                         flag_values=fv)

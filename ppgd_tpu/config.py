@@ -439,23 +439,30 @@ def load_yaml(path: str) -> dict:
 # ---------------------------------------------------------------- dotted leaves and overrides
 
 
-def leaves(cfg, path: str = ""):
-    """Yields (dotted_path, annotation, value, help) for every scalar leaf of `cfg`."""
+def _walk(cfg, keys: tuple = ()):
+    """Yields (keys, annotation, value, help) for every scalar leaf of `cfg`: keys are the
+    field names and mapping keys from the root; a key may hold dots (`layers.0.mlp_in`)."""
     hints = _hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        sub = f"{path}.{f.name}" if path else f.name
+        sub = (*keys, f.name)
         tp, value, help_ = hints[f.name], getattr(cfg, f.name), f.metadata.get("help", "")
         if dataclasses.is_dataclass(value):
-            yield from leaves(value, sub)
+            yield from _walk(value, sub)
         elif typing.get_origin(tp) is dict:
             val_tp = typing.get_args(tp)[1]
             for k, v in value.items():
                 if dataclasses.is_dataclass(v):
-                    yield from leaves(v, f"{sub}.{k}")
+                    yield from _walk(v, (*sub, k))
                 else:
-                    yield f"{sub}.{k}", val_tp, v, help_
+                    yield (*sub, k), val_tp, v, help_
         else:
             yield sub, tp, value, help_
+
+
+def leaves(cfg):
+    """Yields (dotted_path, annotation, value, help) for every scalar leaf of `cfg`."""
+    for keys, tp, value, help_ in _walk(cfg):
+        yield ".".join(keys), tp, value, help_
 
 
 def parse_override(text: str, tp, path: str):
@@ -472,21 +479,46 @@ def parse_override(text: str, tp, path: str):
 
 def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """Applies {dotted.path: value or string} overrides, typed by the schema."""
-    known = {p: tp for p, tp, _, _ in leaves(cfg)}
+    known = {".".join(keys): (keys, tp) for keys, tp, _, _ in _walk(cfg)}
     data = to_dict(cfg)
     for path, text in overrides.items():
         if path not in known:
             close = difflib.get_close_matches(path, list(known), n=3)
             hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
             raise ConfigError(f"--{path}: unknown config field{hint} (see --helpfull)")
-        value = parse_override(text, known[path], path) if isinstance(text, str) \
-            else _coerce(text, known[path], path)
+        (*parents, last), tp = known[path]
+        value = parse_override(text, tp, path) if isinstance(text, str) \
+            else _coerce(text, tp, path)
         node = data
-        *parents, last = path.split(".")
         for p in parents:
             node = node[p]
         node[last] = value
     return validate(from_dict(Config, data))
+
+
+def with_entries(cfg: Config, named: dict[str, str]) -> Config:
+    """Adds the mapping entries that command-line flags {dotted.name: value text} name and
+    `cfg` lacks, so they get flags as the YAML's entries do: `decomp.tie.linear2=linear1`
+    adds that tie, `loss.stochastic.extra.coeff=...` a term `extra` at its fields' defaults
+    (the flag then sets `coeff`). Other names are left for the flag parser to refuse."""
+    known = {p for p, _, _, _ in leaves(cfg)}
+    data = to_dict(cfg)
+    for name, text in named.items():
+        if name in known:
+            continue
+        for path, val_tp, _ in _mappings(cfg):
+            if not name.startswith(path + "."):
+                continue
+            rest, node = name[len(path) + 1:], data
+            for p in path.split("."):  # a mapping's path is field names: no dots inside
+                node = node[p]
+            if _is_dataclass_type(val_tp):
+                for leaf, _, _, _ in leaves(val_tp()):
+                    if rest.endswith("." + leaf):
+                        node.setdefault(rest[:-len(leaf) - 1], {})
+            else:
+                node[rest] = parse_override(text or "", val_tp, name)
+    return from_dict(Config, data)
 
 
 def _mappings(cfg, path: str = ""):
@@ -506,7 +538,9 @@ def describe(cfg: Config) -> str:
     rows = []
     for path, tp, value, help_ in leaves(cfg):
         rows.append(f"  --{path}={json.dumps(value)}  [{_type_name(tp)}]  {help_}")
-    rows.append("mappings (add entries in the --config YAML; each entry's fields are then flags):")
+    rows.append("mappings (entries come from the --config YAML, or from a flag naming a new one: "
+                "--decomp.tie.linear2=linear1, --loss.stochastic.<new>.coeff=1 with the "
+                "term's other fields at their defaults; each entry's fields are then flags):")
     for path, val_tp, help_ in _mappings(cfg):
         if _is_dataclass_type(val_tp):
             fields = ", ".join(f.name for f in dataclasses.fields(val_tp))

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from ppgd_tpu import cli
+from ppgd_tpu import config as config_lib
 from ppgd_tpu import load_decomposition
 
 TINY = ["--decomp.steps=60", "--data.batch_size=64", "--eval.batch_size=256", "--eval.every=30",
@@ -40,6 +41,9 @@ def _run(argv, capsys):
     (["--decomp.lr_components.kind=linear", "--decomp.lr_components.warmup_steps=20000"],
      "decomp.lr_components.warmup_steps"),
     (["stray"], "unexpected arguments"),
+    (["--decomp.sites.linear1=x"], "decomp.sites.linear1: 'x' is not an integer"),
+    (["--decomp.tie.linear2=linear3"], "decomp.tie.linear2: 'linear3' is not a decomposed site"),
+    (["--loss.stochastic.extra.cof=1"], "--loss.stochastic.extra.cof: unknown flag"),
 ])
 def test_refused_flags_exit_2_with_the_path(argv, needle, capsys, tmp_path):
     rc, _, err = _run(["train", f"--run_dir={tmp_path / 'r'}", *argv], capsys)
@@ -75,6 +79,32 @@ def test_an_integer_field_takes_a_whole_number_written_as_a_float(text, want, tm
     from_flag, _ = cli.parse_config_args([f"--decomp.steps={text}"])
     assert from_yaml.decomp.steps == from_flag.decomp.steps == want
     assert type(from_flag.decomp.steps) is int
+
+
+def test_a_flag_adds_the_mapping_entry_a_yaml_would(tmp_path):
+    """`--decomp.tie.linear2=linear1` or a new recon term's field from the command line gives
+    the config the same YAML entries give (the term's other fields at their defaults)."""
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "decomp": {"tie": {"linear2": "linear1"}},
+        "loss": {"persistent_pgd": {"adv": {"coeff": 0.5, "lr": {"value": 0.02}}}}}))
+    from_yaml, _ = cli.parse_config_args([f"--config={tmp_path / 'c.yaml'}"])
+    from_flags, _ = cli.parse_config_args([
+        "--decomp.tie.linear2", "linear1", "--loss.persistent_pgd.adv.coeff=0.5",
+        "--loss.persistent_pgd.adv.lr.value=0.02"])
+    assert config_lib.to_dict(from_flags) == config_lib.to_dict(from_yaml)
+    assert from_flags.decomp.tie == {"linear2": "linear1"}
+    assert from_flags.loss.persistent_pgd["adv"].n_warmup == 0  # the field's default
+
+
+def test_a_site_key_with_dots_is_a_flag_like_any_other(tmp_path):
+    """ResidMLP sites are named `layers.0.mlp_in`: an entry of that name, from the YAML or
+    added by a flag, is overridden whole (not split at its dots)."""
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "target": {"kind": "resid_mlp"}, "decomp": {"sites": {"layers.0.mlp_in": 100}}}))
+    cfg, _ = cli.parse_config_args([f"--config={tmp_path / 'c.yaml'}",
+                                    "--decomp.sites.layers.0.mlp_in=80",
+                                    "--decomp.sites.layers.0.mlp_out=60"])
+    assert cfg.decomp.sites == {"layers.0.mlp_in": 80, "layers.0.mlp_out": 60}
 
 
 @pytest.mark.parametrize("argv,needle", [
