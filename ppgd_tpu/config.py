@@ -496,7 +496,7 @@ def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     return validate(from_dict(Config, data))
 
 
-def with_entries(cfg: Config, named: dict[str, str]) -> Config:
+def with_entries(cfg: Config, named: dict[str, str | None]) -> Config:
     """Adds the mapping entries that command-line flags {dotted.name: value text} name and
     `cfg` lacks, so they get flags as the YAML's entries do: `decomp.tie.linear2=linear1`
     adds that tie, `loss.stochastic.extra.coeff=...` a term `extra` at its fields' defaults
