@@ -137,13 +137,13 @@ class Decomposer:
         return {s: functools.partial(losses.mask_from_source, lower[s], sources[s], use_delta)
                 for s in self.sites}
 
-    def _losses(self, key, step, target, batch, clean, components, sources, env: Envelope,
-                rows: live_lib.Subset | None = None, env_on_rows: bool = False):
+    def _losses(self, key, step, target, weights, batch, clean, components, sources,
+                env: Envelope, rows: live_lib.Subset | None = None, env_on_rows: bool = False):
         """Total loss and its parts as a function of (components, sources, envelope); the
         recon terms on `rows` (their batch, clean output and `bsc` sources) when given. The
-        envelope is the batch's, or with `env_on_rows` that of `rows.take_and_zero_row`."""
+        envelope is the batch's, or with `env_on_rows` that of `rows.take_and_zero_row`.
+        `target` is in compute dtype, `weights` are its fp32 site weights [S17]."""
         cfg = self.cfg
-        weights = target.site_weights()
         comps_c = _cast(components, self.dtype)
         lower, counts = _rows_of(env.lower, rows, env_on_rows)
 
@@ -192,8 +192,8 @@ class Decomposer:
         env, vjp = jax.vjp(lambda f: envelope_of(f, state.components), state.ci_fn)
         return env, lambda g: (vjp(g)[0], None)
 
-    def _recon_part(self, state: TrainState, env: Envelope | None, taps, key, target, batch,
-                    clean, rows: live_lib.Subset | None):
+    def _recon_part(self, state: TrainState, env: Envelope | None, taps, key, target, weights,
+                    batch, clean, rows: live_lib.Subset | None):
         """The warmup ascents, the losses and their gradient w.r.t. (components, sources,
         envelope), the final ascent: everything that runs masked forwards, on `rows` (None:
         all).
@@ -232,8 +232,8 @@ class Decomposer:
                                             lrs[name])
 
         sources = {n: a.sources for n, a in advs.items()}
-        loss = lambda c, s, e: self._losses(key, step, target, batch, clean, c, s, e, rows,
-                                            env_on_rows)
+        loss = lambda c, s, e: self._losses(key, step, target, weights, batch, clean, c, s, e,
+                                            rows, env_on_rows)
         (_, parts), (g_comp, g_src, g_env) = jax.value_and_grad(
             loss, argnums=(0, 1, 2), has_aux=True)(state.components, sources, env)
         # [S13, S14] final ascent from the same backward, grad / coeff, before any update.
@@ -271,7 +271,7 @@ class Decomposer:
         ci_live = env is None
         taps = target.read_activations(batch, state.ci_fn.input_names) if ci_live else None
         recon_part = functools.partial(self._recon_part, state, env, taps, key, target_c,
-                                       batch_c, clean)
+                                       target.site_weights(), batch_c, clean)
         live = None if keep_env else self.live_rows(target_c, batch_c)
         if live is None:
             advs, parts, g_comp, g_env, g_ci, new_env = recon_part(None)

@@ -586,6 +586,12 @@ def test_N1_bf16_compute_keeps_fp32_masters_and_fp32_losses():
         if jnp.issubdtype(leaf.dtype, jnp.floating):
             assert leaf.dtype == jnp.float32
     assert m["train/loss/total"].dtype == jnp.float32
+    # [S17] faithfulness is against the fp32 W from the fp32 V/U, not bf16(W)
+    faith = sum(np.sum((np.float64(W) - np.float64(state.components.V[s])
+                        @ np.float64(state.components.U[s])) ** 2)
+                for s, W in t.site_weights().items())
+    faith /= sum(W.size for W in t.site_weights().values())
+    assert float(m["train/loss/faithfulness"]) == pytest.approx(faith, rel=1e-5)
     env = dec.compute_ci(t, state, x)
     assert env.lower["linear1"].dtype == jnp.bfloat16  # the envelope is in compute dtype
     f32 = Decomposer(_tiny_cfg(), t, (32, 5))
