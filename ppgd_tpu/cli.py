@@ -200,7 +200,11 @@ def cmd_train(args: list[str]) -> int:
     from ppgd_tpu.workspace import default_run_dir
 
     run_dir = dist.broadcast_from_main(extra["run_dir"] or default_run_dir(cfg))
-    engine.train(cfg, run_dir)
+    try:
+        engine.train(cfg, run_dir)
+    except engine.Diverged as e:
+        print(f"ppgd-tpu train: error: {run_dir}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,6 +11,8 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
+import operator
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -22,8 +24,10 @@ class ConfigError(ValueError):
     """A refused configuration; the message names the dotted path and what is valid."""
 
 
-def _f(default=dataclasses.MISSING, help: str = "", lo=None, hi=None, factory=None):
-    meta = {"help": help, "lo": lo, "hi": hi}
+def _f(default=dataclasses.MISSING, help: str = "", lo=None, hi=None, factory=None, gt=None,
+       lt=None):
+    """A schema field: bounds `lo` <= value <= `hi`, `gt` < value < `lt` (None: unbounded)."""
+    meta = {"help": help, "lo": lo, "hi": hi, "gt": gt, "lt": lt}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -38,7 +42,7 @@ class Schedule:
     value*final_frac, reaching it AT step = total-1 [S20]."""
 
     kind: Literal["constant", "linear", "cosine"] = _f("constant", "shape after warmup")
-    value: float = _f(1e-3, "peak value (after warmup)")
+    value: float = _f(1e-3, "peak value (after warmup)", lo=0.0)
     warmup_steps: int = _f(0, "linear warmup steps from 0", lo=0)
     final_frac: float = _f(0.0, "end value as a fraction of `value` (linear/cosine)", lo=0.0)
 
@@ -188,13 +192,16 @@ class StochasticTerm:
 
 @dataclass(frozen=True)
 class PersistentPGDTerm:
-    coeff: float = _f(1.0, "term coefficient", lo=0.0)
+    coeff: float = _f(1.0, "term coefficient (the final ascent divides by it [S14])", gt=0.0)
     scope: Literal["sc", "bsc"] = _f("sc", "sources shared across the batch or one per row [S5]")
     n_warmup: int = _f(0, "supplemental ascents per step [S24]", lo=0)
     lr: Schedule = _f(factory=lambda: Schedule("constant", 0.01), help="source Adam-ascent lr")
-    beta1: float = _f(0.9, "Adam beta1", lo=0.0, hi=1.0)
-    beta2: float = _f(0.999, "Adam beta2", lo=0.0, hi=1.0)
-    eps: float = _f(1e-8, "Adam eps (outside the sqrt) [S15]", lo=0.0)
+    beta1: float = _f(0.9, "Adam beta1 (bias correction divides by 1 - beta1^t)", lo=0.0,
+                      lt=1.0)
+    beta2: float = _f(0.999, "Adam beta2 (bias correction divides by 1 - beta2^t)", lo=0.0,
+                      lt=1.0)
+    eps: float = _f(1e-8, "Adam eps (outside the sqrt; > 0: a zero gradient must give a "
+                    "zero step) [S15]", gt=0.0)
 
 
 @dataclass(frozen=True)
@@ -336,14 +343,17 @@ def _coerce(value, tp, path: str):
             raise not_a(path, value, int)
         return n
     if tp is float:
+        x = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+            x = float(value)
+        elif isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                x = float(value)
             except ValueError:
                 pass
-        raise not_a(path, value, float)
+        if x is None or not math.isfinite(x):  # nan / inf would only surface mid-run
+            raise not_a(path, value, float)
+        return x
     if tp is str:
         if isinstance(value, str):
             return value
@@ -369,7 +379,7 @@ def _whole_number(value) -> int | None:
     return value if isinstance(value, int) else None
 
 
-_KINDS = {bool: "a bool; expected true or false", int: "an integer", float: "a number",
+_KINDS = {bool: "a bool; expected true or false", int: "an integer", float: "a finite number",
           str: "a string"}
 
 
@@ -405,16 +415,19 @@ def from_dict(cls, data: dict, path: str = ""):
     return obj
 
 
+_BOUNDS = (("lo", operator.ge, ">="), ("gt", operator.gt, ">"), ("hi", operator.le, "<="),
+           ("lt", operator.lt, "<"))
+
+
 def _check_ranges(obj, path: str) -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             sub = f"{path}.{f.name}" if path else f.name
-            if lo is not None and value < lo:
-                raise ConfigError(f"{sub}: {value!r} is out of range; must be >= {lo}")
-            if hi is not None and value > hi:
-                raise ConfigError(f"{sub}: {value!r} is out of range; must be <= {hi}")
+            for key, ok, word in _BOUNDS:
+                bound = f.metadata.get(key)
+                if bound is not None and not ok(value, bound):
+                    raise ConfigError(f"{sub}: {value!r} is out of range; must be {word} {bound}")
 
 
 def to_dict(cfg) -> dict:
@@ -607,6 +620,13 @@ def validate(cfg: Config) -> Config:
                 f"{sched_path}.warmup_steps: {sched.warmup_steps} leaves no decay steps "
                 f"(decomp.steps = {cfg.decomp.steps}); the [S20] denominator would be <= 0")
     imp = cfg.loss.imp_min
+    g = imp.gamma
+    if imp.kind == "smooth_l0" and (g.value <= 0 or g.warmup_steps > 0
+                                    or (g.kind != "constant" and g.final_frac <= 0)):
+        raise ConfigError(
+            f"loss.imp_min.gamma: {g} reaches 0, where smooth-L0's u^2 / (u^2 + gamma^2) is "
+            "0/0 at u = 0 [S7]; use value > 0, warmup_steps 0, and final_frac > 0 unless "
+            "kind is constant")
     if imp.freq_coeff > 0 and imp.reference_token_count <= 0:
         raise ConfigError("loss.imp_min.reference_token_count: must be > 0 when "
                           "loss.imp_min.freq_coeff > 0 (it is the explicit `a` of [S8])")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import time
 
 import jax
@@ -30,6 +31,21 @@ from ppgd_tpu.workspace import DECOMPOSITION, FIGURES, RunDir
 
 
 MAX_IN_FLIGHT = 8  # multi-process CPU: steps dispatched ahead of the last finished one
+
+
+class Diverged(RuntimeError):
+    """A loss or eval value went non-finite: every later step would be too, so the run stops
+    there, its last committed checkpoint and metrics.jsonl (the bad line included) kept."""
+
+
+def check_finite(step: int, values: dict, prefixes: tuple[str, ...]) -> None:
+    bad = {k: v for k, v in values.items() if k.startswith(prefixes) and not math.isfinite(v)}
+    if bad:
+        raise Diverged(
+            f"step {step}: {', '.join(f'{k} = {v}' for k, v in sorted(bad.items()))}; the "
+            "decomposition diverged. Runs are deterministic, so resuming would repeat it: start "
+            "a new --run_dir with a lower decomp.lr_components / decomp.lr_ci_fn or smaller "
+            "loss coefficients.")
 
 
 def batch_shape(cfg: Config, target) -> tuple[int, ...]:
@@ -102,11 +118,12 @@ class Trainer:
             checkpoint.manifest.step_dir(run_dir, step)).leaves
         return checkpoint.restore(run_dir, step, shardings=self.placement.names(infos))
 
-    def evaluate(self, state: TrainState) -> dict:
+    def evaluate(self, state: TrainState, step: int) -> dict:
         fast, alive = self.fast_eval(state, self.target, self.eval_batch, self.eval_labels)
         onehot = self.one_hot(state, self.target) if self.target.n_features else None
         fast, alive, onehot = jax.device_get((fast, alive, onehot))
         out = metrics_lib.to_host(fast)
+        check_finite(step, out, ("eval/recon/", "eval/ce/", "eval/kl/", "eval/faithfulness"))
         out.update(eval_lib.host_metrics(self.dec, self.to_host(state), self.to_host(self.target),
                                          onehot,
                                          {s: np.asarray(a) for s, a in alive.items()}))
@@ -166,41 +183,47 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     t_last, s_last = time.perf_counter(), start
     window = []  # device metrics of the steps since the last log (window statistics)
     in_flight = collections.deque()
-    for s in range(start, steps):
-        state, m = replay.step(s, state, trainer.target, trainer.batch(s // k))
-        window.append(m)
-        done = s + 1
-        if jax.process_count() > 1:  # bound the steps in flight (gloo deadlocks past ~16)
-            in_flight.append(m["train/loss/total"])
-            if len(in_flight) > MAX_IN_FLIGHT:
-                in_flight.popleft().block_until_ready()
-        if done % cfg.log.every == 0 or done == steps:
-            window = [metrics_lib.to_host(w) for w in jax.device_get(window)]
-            values = dict(window[-1])
-            values.update(metrics_lib.window_stats(window))
-            values["train/replay/window_position"] = s % k
-            values["train/replay/ci_updated"] = int(replay.ci_updated(s))
-            now = time.perf_counter()
-            values["train/perf/step_time_s"] = (now - t_last) / (done - s_last)
-            progress.update(done - s_last, values["train/loss/total"])
-            t_last, s_last, window = now, done, []
-            writer.write(done, values)
-        if cfg.eval.every and done % cfg.eval.every == 0 and done != steps:
-            writer.write(done, trainer.evaluate(state))
-        saved = False
-        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != steps:
-            saver.save(done, resume.checkpoint_leaves(state, replay))
-            saved = True
-        if done != steps and stop.should_stop(done):  # [C5] every process, the same step
-            if not saved:
+    try:
+        for s in range(start, steps):
+            state, m = replay.step(s, state, trainer.target, trainer.batch(s // k))
+            window.append(m)
+            done = s + 1
+            if jax.process_count() > 1:  # bound the steps in flight (gloo deadlocks past ~16)
+                in_flight.append(m["train/loss/total"])
+                if len(in_flight) > MAX_IN_FLIGHT:
+                    in_flight.popleft().block_until_ready()
+            if done % cfg.log.every == 0 or done == steps:
+                window = [metrics_lib.to_host(w) for w in jax.device_get(window)]
+                values = dict(window[-1])
+                values.update(metrics_lib.window_stats(window))
+                values["train/replay/window_position"] = s % k
+                values["train/replay/ci_updated"] = int(replay.ci_updated(s))
+                now = time.perf_counter()
+                values["train/perf/step_time_s"] = (now - t_last) / (done - s_last)
+                progress.update(done - s_last, values["train/loss/total"])
+                t_last, s_last, window = now, done, []
+                writer.write(done, values)
+                check_finite(done, values, ("train/loss/",))
+            if cfg.eval.every and done % cfg.eval.every == 0 and done != steps:
+                writer.write(done, trainer.evaluate(state, done))
+            saved = False
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != steps:
                 saver.save(done, resume.checkpoint_leaves(state, replay))
-            saver.wait()
-            dist.barrier(f"stopped_{done}")
-            progress.close()
-            writer.close()
-            print(f"stopped at step {done} ({stop.reason}); checkpoint committed in "
-                  f"{rd.path}/ckpts/{done}. Resume with the same command.")
-            return {}
+                saved = True
+            if done != steps and stop.should_stop(done):  # [C5] every process, the same step
+                if not saved:
+                    saver.save(done, resume.checkpoint_leaves(state, replay))
+                saver.wait()
+                dist.barrier(f"stopped_{done}")
+                progress.close()
+                writer.close()
+                print(f"stopped at step {done} ({stop.reason}); checkpoint committed in "
+                      f"{rd.path}/ckpts/{done}. Resume with the same command.")
+                return {}
+    except Diverged:  # the metrics so far (the bad line included) stay
+        progress.close()
+        writer.close()
+        raise
     progress.close()
     writer.close()
     saver.save(steps, resume.checkpoint_leaves(state, replay))
@@ -210,7 +233,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
 
 def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState) -> dict:
     """Final eval, decomposition file, figures, then summary.json LAST (WORKSPACE.md)."""
-    summary = trainer.evaluate(state)
+    summary = trainer.evaluate(state, cfg.decomp.steps)
     # collectives: every process fetches, since the arrays may span processes
     state, target, eval_batch = trainer.to_host((state, trainer.target, trainer.eval_batch))
     if dist.is_main():

@@ -29,7 +29,20 @@ def _run(argv, capsys):
     (["--decomp.stepz=3"], "--decomp.stepz: unknown flag; did you mean --decomp.steps"),
     (["--decomp.steps=abc"], "decomp.steps: 'abc' is not an integer"),
     (["--decomp.steps=1.5"], "decomp.steps: 1.5 is not an integer"),
-    (["--loss.imp_min.coeff=x"], "loss.imp_min.coeff: 'x' is not a number"),
+    (["--loss.imp_min.coeff=x"], "loss.imp_min.coeff: 'x' is not a finite number"),
+    (["--loss.imp_min.coeff=nan"], "loss.imp_min.coeff: 'nan' is not a finite number"),
+    (["--decomp.lr_ci_fn.value=inf"], "decomp.lr_ci_fn.value: 'inf' is not a finite number"),
+    (["--decomp.lr_ci_fn.value=-1e-3"], "decomp.lr_ci_fn.value: -0.001 is out of range; must be >= 0"),
+    # [S14] the final ascent divides by coeff; [S15] Adam's bias correction and eps
+    (["--loss.persistent_pgd.adv.coeff=0"],
+     "loss.persistent_pgd.adv.coeff: 0.0 is out of range; must be > 0"),
+    (["--loss.persistent_pgd.adv.beta1=1"],
+     "loss.persistent_pgd.adv.beta1: 1.0 is out of range; must be < 1"),
+    (["--loss.persistent_pgd.adv.eps=0"],
+     "loss.persistent_pgd.adv.eps: 0.0 is out of range; must be > 0"),
+    (["--loss.imp_min.kind=smooth_l0", "--loss.imp_min.gamma.kind=linear"],
+     "loss.imp_min.gamma: Schedule(kind='linear', value=0.1, warmup_steps=0, final_frac=0.0) "
+     "reaches 0"),
     (["--decomp.use_delta=maybe"], "decomp.use_delta: 'maybe' is not a bool; expected true or false"),
     (["--decomp.steps=0"], "decomp.steps: 0 is out of range; must be >= 1"),
     (["--loss.imp_min.kind=l3"], "loss.imp_min.kind: 'l3' is not valid; expected one of 'lp', 'smooth_l0'"),
@@ -231,6 +244,27 @@ def test_resid_mlp_config_trains_its_target_and_reports_its_site_metrics(tmp_pat
                     f"neuron_alignment/{mlp_in}", f"mmcs/{mlp_out}"):
             assert f"eval/{key}" not in s, key
         assert d[mlp_out]["V"].shape[0] == d[mlp_in]["U"].shape[1] == d_mlp
+
+
+@pytest.mark.parametrize("cadence,needle", [
+    (["--log.every=10", "--eval.every=0"], "step 10: train/loss/faithfulness = nan"),
+    (["--log.every=20", "--eval.every=10"], "step 10: eval/faithfulness = nan"),
+])
+def test_a_diverged_run_stops_with_status_1_at_the_step_it_saw_it(tmp_path, capsys, cadence,
+                                                                     needle):
+    """An lr that blows the components up: the first log (or eval) step that sees a
+    non-finite value stops the run with status 1 naming the step and the values; what was
+    written stays (metrics.jsonl with that line), nothing is marked complete."""
+    run_dir = tmp_path / "nan"
+    rc, _, err = _run(["train", f"--run_dir={run_dir}", *TINY, *cadence, "--decomp.steps=40",
+                       "--decomp.lr_components.value=1e30", "--eval.figures=false"], capsys)
+    assert rc == 1
+    assert needle in err and "diverged" in err
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(ln) for ln in open(metrics)] if metrics.exists() else []
+    assert [r["step"] for r in rows] == ([10] if "train" in needle else [])
+    assert not (run_dir / "summary.json").exists()
+    assert not (run_dir / "ckpts").exists() or not os.listdir(run_dir / "ckpts")
 
 
 def test_load_decomposition_returns_numpy_components(finished_run):

@@ -122,7 +122,8 @@ def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target):
     cots = []
     for st in states:
         key = jax.random.fold_in(dec.run_key(), st.step)
-        loss = lambda e: dec._losses(key, st.step, target, batch, clean, st.components, {}, e)[0]
+        loss = lambda e: dec._losses(key, st.step, target, target.site_weights(), batch, clean,
+                                     st.components, {}, e)[0]
         cots.append(jax.grad(loss)(env))
     mean_cot = jax.tree.map(lambda *xs: sum(xs) / K, *cots)
     def envelope_of(ci_fn):
