@@ -176,7 +176,8 @@ class ImpMinConfig:
     kind: Literal["lp", "smooth_l0"] = _f("lp", "psi: (u+eps)^p or u^2/(u^2+gamma^2) [S7]")
     p: Schedule = _f(factory=lambda: Schedule("constant", 1.0), help="L_p exponent schedule")
     gamma: Schedule = _f(factory=lambda: Schedule("constant", 0.1), help="smooth-L0 gamma schedule")
-    eps: float = _f(1e-12, "L_p epsilon", lo=0.0)
+    eps: float = _f(1e-12, "L_p epsilon (> 0: at u = 0 the gradient of u^p is infinite for "
+                    "p < 1)", gt=0.0)
     freq_coeff: float = _f(0.0, "frequency-term coefficient (0 = absent) [S8]", lo=0.0)
     reference_token_count: float = _f(0.0, "a in log2(1 + a f) of the frequency term", lo=0.0)
 

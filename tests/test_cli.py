@@ -40,6 +40,7 @@ def _run(argv, capsys):
      "loss.persistent_pgd.adv.beta1: 1.0 is out of range; must be < 1"),
     (["--loss.persistent_pgd.adv.eps=0"],
      "loss.persistent_pgd.adv.eps: 0.0 is out of range; must be > 0"),
+    (["--loss.imp_min.eps=0"], "loss.imp_min.eps: 0.0 is out of range; must be > 0"),
     (["--loss.imp_min.kind=smooth_l0", "--loss.imp_min.gamma.kind=linear"],
      "loss.imp_min.gamma: Schedule(kind='linear', value=0.1, warmup_steps=0, final_frac=0.0) "
      "reaches 0"),
