@@ -6,6 +6,7 @@ Multi-device runs happen in subprocesses (this file is also the worker script), 
 count never depends on what the pytest process imported first.
 """
 
+import itertools
 import json
 import os
 import signal
@@ -107,6 +108,18 @@ def worker(mode: str, args: dict) -> None:
 
         barrier = wait_at_barrier
 
+    written = {}  # leaf -> [[start, stop] per dim] of every piece this process writes
+    if mode == "multiprocess":
+        real_write_leaves = arrays_io.write_leaves
+
+        def recording_write_leaves(root, leaves):
+            for name, leaf in leaves.items():
+                written.setdefault(name, []).extend(
+                    [[s.start, s.stop] for s in index] for index, _ in leaf.pieces)
+            real_write_leaves(root, leaves)
+
+        arrays_io.write_leaves = recording_write_leaves
+
     mesh = _mesh(args["mesh"])
     state = _place(global_state(), _shardings(mesh, WRITE_SPECS))
     ckpt = Checkpointer(args["run_dir"], barrier=barrier, keep_last_n=None)
@@ -127,6 +140,7 @@ def worker(mode: str, args: dict) -> None:
         raise AssertionError("the writer should have been killed")
     ckpt.close()
     if mode == "multiprocess":
+        print("WRITTEN " + json.dumps(written), flush=True)
         # Every process reads back only what its devices need, on another layout.
         assert _check_restored(args["run_dir"], mesh, READ_SPECS, 0) == args["step"]
         barrier("test/restored")
@@ -215,6 +229,38 @@ def test_sigkill_mid_write_keeps_previous_checkpoint_C4(tmp_path):
     assert_state(restore(run_dir).arrays, offset=1)
 
 
+def _written(out: str) -> dict:
+    """The worker's WRITTEN line: {leaf: [[[start, stop] per dim] per piece written]}."""
+    lines = [ln for ln in out.splitlines() if ln.startswith("WRITTEN ")]
+    assert len(lines) == 1, out
+    return json.loads(lines[0][len("WRITTEN "):])
+
+
+def _grid(shape, chunks) -> tuple[int, ...]:
+    return tuple(-(-d // c) for d, c in zip(shape, chunks))
+
+
+def _chunks_of(pieces, shape, chunks) -> set:
+    """The chunk grid positions the pieces cover; each piece must be whole chunks, else two
+    writers of one chunk would race on its read-modify-write."""
+    out = set()
+    for piece in pieces:
+        ranges = []
+        for (start, stop), d, c in zip(piece, shape, chunks):
+            assert start % c == 0 and (stop % c == 0 or stop == d), (piece, shape, chunks)
+            ranges.append(range(start // c, -(-stop // c)))
+        out |= set(itertools.product(*ranges))  # a scalar leaf: the one position ()
+    return out
+
+
+def _stored_chunks(leaf_dir: str) -> set:
+    """The chunk grid positions with an object under a zarr3 array (keys c/i/j..., c)."""
+    from ppgd_tpu import storage
+
+    keys = [k for k in storage.list_files(leaf_dir) if k == "c" or k.startswith("c/")]
+    return {tuple(int(i) for i in k.split("/")[1:]) for k in keys}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -241,6 +287,20 @@ def test_two_processes_write_own_shards_to_gcs_C4(gcs_emulator, tmp_path):
     restored = restore(run_dir)
     assert restored.step == 3 and restored.manifest.process_count == 2
     assert_state(restored.arrays)
+
+    # Each process wrote only its own chunks: what each handed to the writer (recorded in the
+    # worker) is whole chunks, no chunk from both processes, and together every chunk of every
+    # leaf -- which is also exactly the chunk objects stored on gs://.
+    written = [_written(out) for _, out in results]
+    sdir = f"{run_dir}/ckpts/3"
+    for name, info in restored.manifest.leaves.items():
+        grid = {tuple(c) for c in np.ndindex(*_grid(info.shape, info.chunks))}
+        mine = [_chunks_of(w.get(name, []), info.shape, info.chunks) for w in written]
+        assert not mine[0] & mine[1], (name, "written by both processes", mine[0] & mine[1])
+        assert mine[0] | mine[1] == grid, (name, mine, grid)
+        assert _stored_chunks(f"{sdir}/{name}") == grid, name
+    sharded = "decomposition/components/linear1/V"  # 4 chunks over 2 processes x 2 devices
+    assert [len(_chunks_of(w[sharded], (8, 12), (4, 6))) for w in written] == [2, 2]
     single = str(tmp_path / "single")
     save(single, 3, global_state())
     assert audit.digest(single).overall == audit.digest(run_dir).overall

@@ -2,6 +2,7 @@
 that never committed is ignored, and a SIGTERM'd run resumes exactly [C3, C4, C5]."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -40,22 +41,40 @@ def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator):
 
 
 def test_sigterm_resume_on_gcs(gcs_emulator):
+    """[C5] on gs://: SIGTERM mid-loop commits a checkpoint of the step it stopped at. With
+    periodic checkpoints off (--checkpoint.every=0) that save-on-stop is the only checkpoint
+    the interrupted run can have, so a run that skipped it has none to show or resume from.
+    The signal goes once the loop's metrics writer has put metrics.jsonl on gs:// (after the
+    faithfulness warmup, so the stop lands in the step loop); the only timing assumed is that
+    one 0.1 s poll is shorter than compiling and running 2000 steps, and a signal that came
+    too late would fail the test (no "stopped at step" line), never pass it."""
     run = gcs_emulator.run_dir()
     args = [*[a.replace("--decomp.steps=8", "--decomp.steps=2000") for a in ARGS],
-            "--log.every=50", "--checkpoint.every=500"]
+            "--log.every=50", "--checkpoint.every=0"]
     cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run}", *args]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while checkpoint.latest_step(run) is None:  # the loop is running once step 500 committed
-        assert time.time() < deadline and p.poll() is None, "training did not start"
-        time.sleep(0.1)
-    p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=300)
+    try:
+        deadline = time.time() + 300
+        while not storage.exists(f"{run}/metrics.jsonl"):  # written as the step loop starts
+            assert time.time() < deadline and p.poll() is None, "training did not start"
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
     assert p.returncode == 0, out
-    stopped = checkpoint.latest_step(run)
-    assert stopped is not None and 0 < stopped < 2000, out
+    m = re.search(r"stopped at step (\d+) \(SIGTERM", out)
+    assert m and "Resume with the same command" in out, out
+    stopped = int(m.group(1))
+    assert 0 < stopped < 2000, out
+    # the stopped step itself is committed, and it is the only checkpoint there is
+    assert checkpoint.latest_step(run) == stopped, out
+    assert storage.list_dirs(f"{run}/ckpts") == [str(stopped)], out
+    assert not storage.exists(f"{run}/summary.json")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
+    assert f"resumed from the checkpoint at step {stopped}" in p.stdout + p.stderr
     assert json.loads(storage.read_bytes(f"{run}/summary.json"))["step"] == 2000
     # the interrupted trajectory is bitwise the straight one
     straight = gcs_emulator.run_dir()
