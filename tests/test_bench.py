@@ -1,28 +1,104 @@
-"""The bench commands run and report their numbers (their values are not asserted: timings
-live in benchmarks, not tests)."""
+"""The bench commands run and report their numbers. Timings live in benchmarks, not tests:
+no timing is compared with another measured one. What is asserted holds by construction in
+bench.py: values finite and positive, shares in [0, 1], each derived number consistent with
+the ones it is computed from, and the byte counts equal to ones the test computes itself."""
+
+import json
+import math
+import os
+import resource
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from ppgd_tpu import cli
+from ppgd_tpu.engine import Trainer
 
 TINY = ["--data.batch_size=64", "--decomp.steps=40", "--eval.batch_size=64"]
+PRINTED = 2e-3  # bench prints floats as `.4g`: each within 5e-4 relative of its value
+
+
+def _report(out: str) -> dict[str, str]:
+    return dict(ln.split(None, 1) for ln in out.splitlines() if ln.strip())
+
+
+def _floats(report: dict, keys) -> dict[str, float]:
+    vals = {k: float(report[k]) for k in keys}
+    assert all(math.isfinite(v) for v in vals.values()), vals
+    return vals
+
+
+def _live_rows_bound(rows, tms_cfg):
+    """live_rows.sizes' documented rule, by hand: a row is live unless all n_features are
+    off, p = 1 - (1 - feature_probability)^n_features; the bound is the binomial mean
+    rows p + 6 sd sqrt(rows p (1 - p)), rounded up to a multiple of 8 (a live-rows branch
+    exists only while that is at most half the batch)."""
+    p = 1.0 - (1.0 - tms_cfg.feature_probability) ** tms_cfg.n_features
+    mean, sd = rows * p, math.sqrt(rows * p * (1.0 - p))
+    return 8 * math.ceil((mean + 6.0 * sd) / 8)
 
 
 def test_bench_step_reports_step_time_and_host_overhead(capsys):
     assert cli.run(["bench", "step", *TINY, "--n_steps=5"]) == 0
-    out = capsys.readouterr().out
-    for key in ("compile_s", "step_median_ms", "device_only_step_ms", "host_overhead_share",
-                "steps_per_s", "peak_rss_mb", "ci_fn_ms", "ci_fn_share"):
-        assert key in out
+    rss_after_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    report = _report(capsys.readouterr().out)
+    r = _floats(report, (
+        "compile_s", "step_median_ms", "step_p90_ms", "loop_step_ms", "device_only_step_ms",
+        "host_overhead_share", "steps_per_s", "peak_rss_mb", "full_step_ms", "repeat_step_ms",
+        "ci_fn_ms", "ci_fn_share", "state_mb_per_device", "state_mb_total"))
+    for key in ("compile_s", "step_median_ms", "loop_step_ms", "device_only_step_ms",
+                "steps_per_s", "peak_rss_mb", "full_step_ms", "repeat_step_ms"):
+        assert r[key] > 0, key
+    assert r["step_p90_ms"] >= r["step_median_ms"]  # two percentiles of the same steps
+    # steps/s is the back-to-back loop's rate: 1 / loop_step
+    assert r["steps_per_s"] * r["loop_step_ms"] == pytest.approx(1e3, rel=PRINTED)
+    # host overhead = 1 - device_only / loop, floored at 0
+    assert 0 <= r["host_overhead_share"] <= 1
+    assert r["host_overhead_share"] == pytest.approx(
+        max(0.0, 1 - r["device_only_step_ms"] / r["loop_step_ms"]), abs=PRINTED)
+    # the CI fn's part: full - repeat step (either sign: two timings), its share floored at 0
+    assert r["ci_fn_ms"] == pytest.approx(r["full_step_ms"] - r["repeat_step_ms"],
+                                          abs=PRINTED * (r["full_step_ms"] + r["repeat_step_ms"]))
+    assert 0 <= r["ci_fn_share"] <= 1
+    assert r["ci_fn_share"] == pytest.approx(
+        max(0.0, 1 - r["repeat_step_ms"] / r["full_step_ms"]), abs=PRINTED)
+    # the process's peak RSS only grows: read after the run, it bounds the printed one
+    # (sampled before the A/Bs, so a loose bound: it catches e.g. KiB printed as MiB)
+    assert r["peak_rss_mb"] <= rss_after_mb * (1 + PRINTED)
+    # the train state: on one device its bytes are the summed sizes of its leaves' shapes
+    cfg = cli.parse_config_args(TINY)[0]
+    trainer = Trainer(cfg)
+    shapes = jax.eval_shape(trainer.dec.init, trainer.target)
+    state_mb = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(shapes)) / 2**20
+    assert int(report["devices"]) == 1 and int(report["batch_size"]) == 64
+    assert r["state_mb_per_device"] == pytest.approx(state_mb, rel=PRINTED)
+    assert r["state_mb_total"] == pytest.approx(state_mb, rel=PRINTED)
+    # at 64 rows the live-rows bound is over half the batch: no branch, no A/B keys
+    assert _live_rows_bound(64, cfg.target.tms) > 64 // 2
+    assert not any(k.startswith("live_rows") for k in report)
 
 
 def test_bench_step_compares_the_live_rows_step_with_the_all_rows_step(capsys):
-    """At 256 rows the TMS default's recon runs on 104 gathered rows: bench step reports it
-    against the same step on every row (at 64 rows there is nothing to gather: no keys)."""
-    assert cli.run(["bench", "step", "--data.batch_size=256", "--decomp.steps=40",
-                    "--eval.batch_size=64", "--n_steps=20"]) == 0
-    report = dict(ln.split(None, 1) for ln in capsys.readouterr().out.splitlines() if ln.strip())
-    assert int(report["live_rows_of_batch"]) == 104
-    for key in ("live_rows_step_ms", "all_rows_step_ms", "live_rows_ratio"):
-        assert float(report[key]) > 0
+    """At 256 rows the TMS default's recon runs on the live-rows bound's gathered rows (104,
+    live_rows.sizes): bench step reports it against the same step on every row (at 64 rows
+    there is nothing to gather: no keys)."""
+    args = ["--data.batch_size=256", "--decomp.steps=40", "--eval.batch_size=64"]
+    assert cli.run(["bench", "step", *args, "--n_steps=20"]) == 0
+    report = _report(capsys.readouterr().out)
+    cfg = cli.parse_config_args(args)[0]
+    assert cfg.target.kind == "tms"
+    k = _live_rows_bound(256, cfg.target.tms)
+    assert k <= 256 // 2
+    assert int(report["live_rows_of_batch"]) == k
+    r = _floats(report, ("live_rows_step_ms", "all_rows_step_ms", "live_rows_ratio"))
+    assert r["live_rows_step_ms"] > 0 and r["all_rows_step_ms"] > 0
+    # n_steps=20 is ONE paired round of 20 steps: the median of the per-round ratios is the
+    # ratio of the two (single-round) medians
+    assert r["live_rows_ratio"] == pytest.approx(
+        r["live_rows_step_ms"] / r["all_rows_step_ms"], rel=PRINTED)
 
 
 def test_bench_step_compares_the_step_with_and_without_its_persistent_pgd_terms(capsys,
@@ -32,9 +108,12 @@ def test_bench_step_compares_the_step_with_and_without_its_persistent_pgd_terms(
     cfg = tmp_path / "ppgd.yaml"
     cfg.write_text("loss:\n  persistent_pgd:\n    adv: {scope: bsc, n_warmup: 2}\n")
     assert cli.run(["bench", "step", f"--config={cfg}", *TINY, "--n_steps=20"]) == 0
-    report = dict(ln.split(None, 1) for ln in capsys.readouterr().out.splitlines() if ln.strip())
-    for key in ("with_ppgd_step_ms", "without_ppgd_step_ms", "persistent_pgd_ratio"):
-        assert float(report[key]) > 0
+    report = _report(capsys.readouterr().out)
+    r = _floats(report, ("with_ppgd_step_ms", "without_ppgd_step_ms", "persistent_pgd_ratio"))
+    assert r["with_ppgd_step_ms"] > 0 and r["without_ppgd_step_ms"] > 0
+    # one paired round (n_steps=20): the ratio is that of the two step times
+    assert r["persistent_pgd_ratio"] == pytest.approx(
+        r["with_ppgd_step_ms"] / r["without_ppgd_step_ms"], rel=PRINTED)
     # XLA's count of the work: the term adds its n_warmup + 1 masked forwards and backwards
     assert float(report["with_ppgd_xla_gflop"]) > float(report["without_ppgd_xla_gflop"]) > 0
     assert cli.run(["bench", "step", *TINY, "--n_steps=5"]) == 0
@@ -45,10 +124,29 @@ def test_bench_ckpt_reports_blocking_commit_and_bytes(capsys, tmp_path):
     assert cli.run(["bench", "ckpt", *TINY, "--n_saves=2", f"--run_dir={tmp_path}",
                     "--data.train_batch_replay=4", "--data.replay_ci_update=mean",
                     "--decomp.ci_fn.detach_inputs=true"]) == 0
-    out = capsys.readouterr().out
-    assert "loop_block_ms_median" in out and "bytes_per_checkpoint" in out
-    window = int(out.split("window_state_bytes")[1].split()[0])
-    assert window > 0  # a mid-window `mean` checkpoint carries its accumulator
+    report = _report(capsys.readouterr().out)
+    r = _floats(report, ("loop_block_ms_median", "background_commit_ms_median"))
+    assert r["loop_block_ms_median"] > 0 and r["background_commit_ms_median"] > 0
+    assert report["run_dir"] == str(tmp_path)
+    # both saves are kept (keep_last_n=2) and committed: measure them on disk
+    steps = sorted((d for d in tmp_path.joinpath("ckpts").iterdir() if d.name.isdigit()),
+                   key=lambda d: int(d.name))
+    assert len(steps) == 2 and all((d / "COMMITTED").exists() for d in steps)
+    on_disk = [sum(os.path.getsize(os.path.join(root, f))
+                   for root, _, files in os.walk(d) for f in files) for d in steps]
+    assert int(report["bytes_per_checkpoint"]) == int(np.median(on_disk))
+    # the logical bytes of each step's leaves, from its manifest's shapes and dtypes
+    logical, window = [], []
+    for d in steps:
+        leaves = json.loads((d / "manifest.json").read_text())["leaves"]
+        nbytes = {n: math.prod(i["shape"]) * jnp.dtype(i["dtype"]).itemsize
+                  for n, i in leaves.items()}
+        logical.append(sum(nbytes.values()))
+        window.append(sum(b for n, b in nbytes.items() if n.startswith("training/replay/")))
+    # a mid-window `mean` checkpoint carries its accumulator: the replay leaves' bytes
+    assert int(report["window_state_bytes"]) == int(np.median(window)) > 0
+    # chunks are stored raw (a bytes codec and a checksum, no compression)
+    assert all(d >= b for d, b in zip(on_disk, logical))
 
 
 def test_bench_step_devices_reports_the_lm_state_shrinking_with_fsdp(corpus, capsys):

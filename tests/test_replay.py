@@ -2,6 +2,7 @@
 [W1, W2], the in-step CI LR [W4] and donation [W5]."""
 
 import dataclasses
+import math
 import warnings
 
 import jax
@@ -145,13 +146,25 @@ def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target):
     assert ["train/grad_norms/summary/ci_fn" in m for m in metrics] == [False] * (K - 1) + [True]
 
 
+def _live_rows_bound(rows, tms_cfg):
+    """live_rows.sizes' documented rule, by hand: a row is live unless all n_features are
+    off, p = 1 - (1 - feature_probability)^n_features; the bound is the binomial mean
+    rows p + 6 sd sqrt(rows p (1 - p)), rounded up to a multiple of 8."""
+    p = 1.0 - (1.0 - tms_cfg.feature_probability) ** tms_cfg.n_features
+    mean, sd = rows * p, math.sqrt(rows * p * (1.0 - p))
+    return 8 * math.ceil((mean + 6.0 * sd) / 8)
+
+
 @pytest.mark.parametrize("mode", ["first", "last", "mean"])
 def test_W2_replay_variants_on_the_live_rows_end_where_their_all_rows_runs_end(target, mode):
-    """live_rows.py inside replay windows: 256 rows compile the live-rows branch (104 rows)
-    into every variant a mode runs (full_keep, repeat, mean_accum, mean_update), and two
-    windows end where the same run on every row ends, to float reassociation."""
+    """live_rows.py inside replay windows: 256 rows compile the live-rows branch (TMS 5-2:
+    104 rows, the mean + 6 sd bound) into every variant a mode runs (full_keep, repeat,
+    mean_accum, mean_update), and two windows end where the same run on every row ends, to
+    float reassociation."""
+    k = _live_rows_bound(256, TMSConfig())
+    assert k <= 256 // 2  # the rule keeps a live-rows branch only up to half the batch
     dec, live_end, _, _ = _run(target, mode, 2 * K, rows=256)
-    assert dec.live_sizes == (104, 256) and dec.skip_dead_rows
+    assert dec.live_sizes == (k, 256) and dec.skip_dead_rows
     _, full_end, _, _ = _run(target, mode, 2 * K, rows=256, skip_dead_rows=False)
     _assert_same(live_end, full_end, rtol=2e-5, atol=1e-7)
 
