@@ -442,7 +442,8 @@ def bench_ckpt(args: list[str]) -> int:
     block, commit, sizes, window_bytes = [], [], [], []
     with checkpoint.Checkpointer(run_dir, keep_last_n=2) as saver:
         for i in range(extra["n_saves"]):
-            for s in range(i * k, i * k + k // 2 + 1):  # stop mid-window when k > 1
+            # contiguous steps, stopping mid-window (k > 1) before each save
+            for s in range(int(state.step), i * k + k // 2 + 1):
                 state, _ = trainer.replay.step(s, state, trainer.target, trainer.batch(s // k))
             leaves = resume.checkpoint_leaves(state, trainer.replay)
             jax.block_until_ready(leaves)

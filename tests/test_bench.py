@@ -132,6 +132,7 @@ def test_bench_ckpt_reports_blocking_commit_and_bytes(capsys, tmp_path):
     steps = sorted((d for d in tmp_path.joinpath("ckpts").iterdir() if d.name.isdigit()),
                    key=lambda d: int(d.name))
     assert len(steps) == 2 and all((d / "COMMITTED").exists() for d in steps)
+    assert [d.name for d in steps] == ["3", "7"]  # steps 0-2 and 3-6: each save mid-window
     on_disk = [sum(os.path.getsize(os.path.join(root, f))
                    for root, _, files in os.walk(d) for f in files) for d in steps]
     assert int(report["bytes_per_checkpoint"]) == int(np.median(on_disk))
