@@ -2,7 +2,9 @@
 
 Every multi-device case runs in a subprocess whose device count is set by its environment
 (XLA_FLAGS=--xla_force_host_platform_device_count=N, or `ppgd-tpu launch-local` for
-2 processes x 2 devices), never by the import order of this pytest process.
+2 processes x 2 devices), never by the import order of this pytest process; every run checks
+from its own log that it got those devices (`_assert_mesh`), so a flag that stopped working
+cannot turn a comparison into 1 device vs 1 device.
 """
 
 import json
@@ -84,6 +86,8 @@ LM_TOL = {"training/adversaries/": 3e-4, "train/loss/": 2e-5, "eval/kl/": 2e-5}
 MESH = {"1": [], "4": ["--mesh.data=2", "--mesh.fsdp=2"], "2x2": ["--mesh.data=1",
                                                                   "--mesh.fsdp=2"]}
 LAYOUTS = ("1", "4", "2x2")
+# (devices, processes) each layout's run must report having
+SPAN = {"1": (1, 1), "4": (4, 1), "2x2": (4, 2)}
 
 
 def _env(devices: int) -> dict:
@@ -101,6 +105,16 @@ def _run(args: list[str], devices: int = 1, expect: int = 0) -> str:
     return p.stdout
 
 
+def _assert_mesh(out: str, devices: int, processes: int = 1, shape: dict | None = None):
+    """The run's log (ppgd_tpu/mesh.py's "mesh {...} over N devices: ... (G granule(s))") shows
+    its mesh spans `devices` devices in `processes` processes (and has `shape`, if given)."""
+    meshes = re.findall(r"mesh (\{[^}]*\}) over (\d+) devices: .*\((\d+) granule\(s\)\)", out)
+    assert meshes, f"no mesh line in the log:\n{out[-6000:]}"
+    for mesh, n, granules in meshes:
+        assert (int(n), int(granules)) == (devices, processes), (mesh, n, granules)
+        assert shape is None or mesh == str(shape), (mesh, shape)
+
+
 def _train_args(layout: str, run_dir, config, extra=()) -> list[str]:
     args = ["train", f"--config={config}", f"--run_dir={run_dir}", *MESH[layout], *extra]
     if layout == "2x2":
@@ -109,8 +123,10 @@ def _train_args(layout: str, run_dir, config, extra=()) -> list[str]:
 
 
 def _train(layout: str, run_dir, config, extra=()):
-    return _run(_train_args(layout, run_dir, config, extra),
-                devices=1 if layout == "2x2" else int(layout))
+    out = _run(_train_args(layout, run_dir, config, extra),
+               devices=1 if layout == "2x2" else int(layout))
+    _assert_mesh(out, *SPAN[layout])
+    return out
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -220,6 +236,7 @@ def test_C4_a_checkpoint_written_by_2x2_resumes_on_another_mesh(runs, tmp_path, 
     args = ["train", f"--config={runs['config']}", f"--run_dir={run}",
             "--data.replay_ci_update=first"]
     out = _run(args, devices=devices)
+    _assert_mesh(out, devices, shape={"data": devices, "fsdp": 1})
     assert "resumed from the checkpoint at step 6" in out
     _assert_same(straight, run, f"2x2 -> {devices} devices", from_step=6)
 
@@ -292,6 +309,7 @@ def test_C5_C3_sigterm_on_one_of_2_processes_stops_both_at_one_step_and_resumes(
             launcher.wait()
     out = log.read_text()
     assert rc == 0, out[-6000:]
+    _assert_mesh(out, *SPAN["2x2"])
     stops = {int(p): (int(step), reason) for p, step, reason in re.findall(
         r"^\[p(\d)\] stopped at step (\d+) \((.*?)\); checkpoint committed", out, re.M)}
     assert sorted(stops) == [0, 1] and stops[0] == stops[1], out[-6000:]
@@ -302,6 +320,7 @@ def test_C5_C3_sigterm_on_one_of_2_processes_stops_both_at_one_step_and_resumes(
         assert "training/replay/envelope/lower/linear1" in _leaves(run, stop)
 
     out = _run(args)
+    _assert_mesh(out, *SPAN["2x2"])
     for p in (0, 1):
         assert f"[p{p}/2]resumed from the checkpoint at step {stop}" in out, out[-6000:]
     assert checkpoint.digest(str(run), LONG).overall == \
