@@ -320,9 +320,10 @@ def run(argv: list[str]) -> int:
         print(f"ppgd-tpu {cmd}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
+        from ppgd_tpu.checkpoint import DamagedCheckpoint
         from ppgd_tpu.targets.build import TargetError
 
-        if isinstance(e, TargetError):
+        if isinstance(e, (TargetError, DamagedCheckpoint)):
             print(f"ppgd-tpu {cmd}: error: {e}", file=sys.stderr)
             return 2
         raise

@@ -233,6 +233,23 @@ def test_verify_finds_damage(run_dir, capsys):
     assert "DAMAGED" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("damage", ["missing chunk", "truncated chunk", "garbage manifest"])
+def test_restore_refuses_a_damaged_committed_step_C4(run_dir, damage):
+    """restore never hands back what was not written: a missing chunk raises (tensorstore
+    would fill it with zeros), as do a cut-short chunk and an unreadable manifest."""
+    save(run_dir, 1, make_state())
+    sdir = mf.step_dir(run_dir, 1)
+    chunk = storage.join(sdir, "decomposition/components/linear1/V/c/0/0")
+    if damage == "missing chunk":
+        storage.remove(chunk)
+    elif damage == "truncated chunk":
+        storage.write_bytes(chunk, storage.read_bytes(chunk)[:-3])
+    else:
+        storage.write_bytes(storage.join(sdir, mf.MANIFEST), b"{not json")
+    with pytest.raises(mf.DamagedCheckpoint, match=f"committed checkpoint {sdir} is damaged"):
+        restore(run_dir, 1)
+
+
 def test_cli_ls_digest_and_bad_paths(run_dir, capsys):
     save(run_dir, 3, make_state())
     assert cli.main(["ls", run_dir]) == 0

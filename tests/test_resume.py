@@ -67,6 +67,38 @@ def test_resume_refuses_a_different_trajectory_and_changes_nothing(tmp_path, cap
     assert sorted(os.listdir(run / "ckpts")) == before
 
 
+def test_C4_a_damaged_committed_checkpoint_is_refused_and_the_one_before_resumes(tmp_path,
+                                                                                  capsys):
+    """A committed step with a chunk gone (it would read as zeros) or cut short is refused
+    with status 2 naming it, before anything is written; with that step deleted, as the message
+    says, the run resumes from the one before and ends where the straight run does."""
+    run = tmp_path / "r"
+    base = _args(run, "every", ["--checkpoint.every=4"])
+    assert cli.run(base) == 0
+    want = _final_digest(run)
+    os.remove(run / "summary.json")
+    os.remove(run / "decomposition.safetensors")
+    leaf = run / "ckpts" / str(N) / "decomposition" / "components" / "U" / "linear2"
+    for damage in ("missing", "truncated"):
+        chunk = leaf / "c" / "0" / "0"
+        if damage == "missing":
+            saved = chunk.read_bytes()
+            chunk.unlink()
+        else:
+            chunk.write_bytes(saved[:-5])
+        metrics = (run / "metrics.jsonl").read_bytes()
+        capsys.readouterr()
+        assert cli.run(base) == 2, damage
+        err = capsys.readouterr().err
+        assert f"committed checkpoint {run / 'ckpts' / str(N)} is damaged" in err, err
+        assert "ckpt verify" in err
+        assert (run / "metrics.jsonl").read_bytes() == metrics
+        assert not (run / "summary.json").exists()
+    shutil.rmtree(run / "ckpts" / str(N))
+    assert cli.run(base) == 0
+    assert _final_digest(run) == want
+
+
 def _train_subprocess(run_dir, steps, extra=()):
     cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
            f"--decomp.steps={steps}", "--data.train_batch_replay=4",

@@ -2,9 +2,9 @@
 
 from ppgd_tpu.checkpoint.audit import digest, ls, verify
 from ppgd_tpu.checkpoint.checkpointer import Checkpointer, Restored, restore, save
-from ppgd_tpu.checkpoint.manifest import PARTS, latest_step, list_steps, retain
+from ppgd_tpu.checkpoint.manifest import PARTS, DamagedCheckpoint, latest_step, list_steps, retain
 
 __all__ = [
-    "Checkpointer", "PARTS", "Restored", "digest", "latest_step", "list_steps", "ls",
+    "Checkpointer", "DamagedCheckpoint", "PARTS", "Restored", "digest", "latest_step", "list_steps", "ls",
     "restore", "retain", "save", "verify",
 ]

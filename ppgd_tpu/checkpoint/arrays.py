@@ -9,7 +9,7 @@ shard shape (split further if large), so no two processes ever write the same ch
 Reading goes onto any target sharding -- each process reads only the slices its devices
 need -- or to host numpy when there is no mesh (consumers of `decomposition`).
 Chunks carry a crc32c checksum and are stored even when equal to the fill value, so a
-damaged chunk fails to read and a missing one is visible in a listing ([C4], `verify`).
+damaged chunk fails to read and so does a missing one ([C4], `verify`).
 """
 
 from __future__ import annotations
@@ -145,8 +145,9 @@ def write_leaves(root: str, leaves: Mapping[str, HostLeaf]) -> None:
 
 
 def open_leaf(path: str, name: str, info: LeafInfo) -> ts.TensorStore:
-    """Open one stored leaf for reading and check it is what the manifest says."""
-    t = ts.open(_spec(path), open=True, read=True).result()
+    """Open one stored leaf for reading and check it is what the manifest says. A missing
+    chunk fails its read (every chunk is stored), never reads as the fill value."""
+    t = ts.open({**_spec(path), "fill_missing_data_reads": False}, open=True, read=True).result()
     if tuple(t.shape) != info.shape or t.dtype.name != info.dtype:
         raise ValueError(
             f"leaf {name!r} at {path}: stored shape {tuple(t.shape)} dtype {t.dtype.name}, "

@@ -171,8 +171,11 @@ def restore(
     sdir = mf.step_dir(run_dir, step)
     if not mf.is_committed(sdir):
         raise FileNotFoundError(f"checkpoint step {step} at {sdir} is missing or incomplete (no commit marker)")
-    manifest = mf.read_manifest(sdir)
-    infos = manifest.part(parts)
+    try:
+        manifest = mf.read_manifest(sdir)
+        infos = manifest.part(parts)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise _damaged(run_dir, sdir, e) from e
     if shardings is not None:
         missing, extra = sorted(set(infos) - set(shardings)), sorted(set(shardings) - set(infos))
         if missing or extra:
@@ -181,4 +184,15 @@ def restore(
                 f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                 f"not in checkpoint {extra[:5]}{'...' if len(extra) > 5 else ''}"
             )
-    return Restored(int(step), arrays_io.read_leaves(sdir, infos, shardings), manifest)
+    try:
+        arrays = arrays_io.read_leaves(sdir, infos, shardings)
+    except (ValueError, OSError) as e:  # tensorstore: a missing, truncated or corrupt chunk
+        raise _damaged(run_dir, sdir, e) from e
+    return Restored(int(step), arrays, manifest)
+
+
+def _damaged(run_dir: str, sdir: str, e: Exception) -> mf.DamagedCheckpoint:
+    return mf.DamagedCheckpoint(
+        f"committed checkpoint {sdir} is damaged ({type(e).__name__}: {str(e)[:300]}); "
+        f"`ppgd-tpu ckpt verify {run_dir}` lists what is damaged; delete that step's directory "
+        "to resume from the checkpoint before it")

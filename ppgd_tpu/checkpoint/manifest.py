@@ -28,6 +28,10 @@ COMMITTED = "COMMITTED"
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
+class DamagedCheckpoint(ValueError):
+    """A committed step whose manifest or arrays cannot be read back as written."""
+
+
 def ckpts_dir(run_dir: str) -> str:
     return storage.join(storage.normalize(run_dir), "ckpts")
 
