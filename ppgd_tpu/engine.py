@@ -181,6 +181,11 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     writer.truncate_after(start)
     progress = metrics_lib.Progress(steps, start, cfg.log.progress and dist.is_main())
     t_last, s_last = time.perf_counter(), start
+
+    def save(step, state):
+        writer.flush()  # on gs:// every metrics line up to a committed step is stored first
+        saver.save(step, resume.checkpoint_leaves(state, replay))
+
     window = []  # device metrics of the steps since the last log (window statistics)
     in_flight = collections.deque()
     try:
@@ -208,11 +213,11 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                 writer.write(done, trainer.evaluate(state, done))
             saved = False
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != steps:
-                saver.save(done, resume.checkpoint_leaves(state, replay))
+                save(done, state)
                 saved = True
             if done != steps and stop.should_stop(done):  # [C5] every process, the same step
                 if not saved:
-                    saver.save(done, resume.checkpoint_leaves(state, replay))
+                    save(done, state)
                 saver.wait()
                 dist.barrier(f"stopped_{done}")
                 progress.close()

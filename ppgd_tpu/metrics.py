@@ -112,6 +112,8 @@ class MetricsWriter:
         if self.enabled and self.remote:
             storage.write_bytes(self.path, "".join(self.lines).encode())
             self.flushed_at = time.monotonic()
+        if self.tb is not None:
+            self.tb.flush()
 
     def close(self) -> None:
         self.flush()

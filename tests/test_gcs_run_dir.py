@@ -82,6 +82,35 @@ def test_sigterm_resume_on_gcs(gcs_emulator):
     assert checkpoint.digest(run, 2000).overall == checkpoint.digest(straight, 2000).overall
 
 
+def test_sigkill_on_gcs_keeps_every_metrics_line_up_to_the_committed_step(gcs_emulator):
+    """metrics.jsonl on gs:// is rewritten whole, so lines are buffered; a SIGKILL must not
+    lose those of steps a committed checkpoint covers (the resume keeps the lines up to it and
+    only redoes later ones): the file is stored before each checkpoint is saved."""
+    run = gcs_emulator.run_dir()
+    args = [*[a.replace("--decomp.steps=8", "--decomp.steps=2000") for a in ARGS],
+            "--log.every=50", "--checkpoint.every=500", "--log.tensorboard=false"]
+    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run}", *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while checkpoint.latest_step(run) is None:
+            assert time.time() < deadline and p.poll() is None, "no checkpoint committed"
+            time.sleep(0.05)
+        p.kill()
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    committed = checkpoint.latest_step(run)
+    assert committed is not None and not storage.exists(f"{run}/summary.json")
+    steps = [json.loads(ln)["step"] for ln in
+             storage.read_bytes(f"{run}/metrics.jsonl").decode().splitlines()]
+    assert steps[:committed // 50] == list(range(50, committed + 1, 50)), (committed, steps)
+    assert cli.run(["train", f"--run_dir={run}", *args]) == 0
+    rows = [json.loads(ln) for ln in storage.read_bytes(f"{run}/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in rows if "train/loss/total" in r] == list(range(50, 2001, 50))
+
+
 def test_a_target_file_on_gcs_is_written_read_and_may_move_there_on_resume(gcs_emulator,
                                                                            tmp_path):
     """`pretrain --output` and `target.path` take gs:// (every host of a pod reads the one
