@@ -339,7 +339,12 @@ def main() -> None:
     logging.use_absl_handler()
     if cpu_runtime.computes_on_cpu():  # no accelerator plugin: JAX's TPU probe must fail
         std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
-    sys.exit(run(sys.argv[1:]))
+    try:
+        sys.exit(run(sys.argv[1:]))
+    except KeyboardInterrupt:  # before a run's loop (which stops cleanly on SIGINT itself)
+        print(f"ppgd-tpu: interrupted; nothing partial is read as complete: re-run the same "
+              "command to start or resume", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ an existing run dir; a run writes config.yaml, metrics.jsonl, summary.json and f
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -266,6 +267,32 @@ def test_a_diverged_run_stops_with_status_1_at_the_step_it_saw_it(tmp_path, caps
     assert [r["step"] for r in rows] == ([10] if "train" in needle else [])
     assert not (run_dir / "summary.json").exists()
     assert not (run_dir / "ckpts").exists() or not os.listdir(run_dir / "ckpts")
+
+
+def test_ctrl_c_before_the_loop_exits_130_without_a_traceback(tmp_path):
+    """A real SIGINT while the toy target trains (before the loop, whose own stop handling
+    is tested in test_resume.py): exit 130 with one line, no traceback, no run dir made."""
+    run_dir = tmp_path / "r"
+    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
+           "--target.tms.train_steps=200000", "--log.progress=false"]
+    env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache")}
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                         env=env)
+    err = []
+    try:
+        for line in p.stderr:  # the mesh is made just before the target is built
+            err.append(line)
+            if "mesh {" in line:
+                p.send_signal(signal.SIGINT)
+                break
+        err.append(p.communicate(timeout=300)[1])
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = "".join(err)
+    assert p.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
+    assert not run_dir.exists()
 
 
 def test_load_decomposition_returns_numpy_components(finished_run):
