@@ -342,7 +342,7 @@ def main() -> None:
     try:
         sys.exit(run(sys.argv[1:]))
     except KeyboardInterrupt:  # before a run's loop (which stops cleanly on SIGINT itself)
-        print(f"ppgd-tpu: interrupted; nothing partial is read as complete: re-run the same "
+        print("ppgd-tpu: interrupted; nothing partial is read as complete: re-run the same "
               "command to start or resume", file=sys.stderr)
         sys.exit(130)
 
