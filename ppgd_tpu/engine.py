@@ -275,7 +275,13 @@ def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
     path = storage.join(storage.normalize(run_dir), DECOMPOSITION)
     out: dict[str, dict[str, np.ndarray]] = {}
     if storage.exists(path):
-        for name, arr in safetensors_numpy.load(storage.read_bytes(path)).items():
+        try:
+            tensors = safetensors_numpy.load(storage.read_bytes(path))
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise ValueError(f"{path} is not a readable safetensors file ({e}); the run's "
+                             "latest checkpoint holds the same components: delete the file "
+                             "to read them from there") from None
+        for name, arr in tensors.items():
             site, part = name.rsplit("/", 1)
             out.setdefault(site, {})[part] = arr
         return out

@@ -302,6 +302,15 @@ def test_load_decomposition_returns_numpy_components(finished_run):
     assert d["linear2"]["V"].shape == (2, 20) and d["linear2"]["U"].shape == (20, 5)
 
 
+def test_load_decomposition_names_a_damaged_file(finished_run, tmp_path):
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    path = run / "decomposition.safetensors"
+    path.write_bytes(path.read_bytes()[:100])  # cut short, as a full disk would leave it
+    with pytest.raises(ValueError, match=f"{path} is not a readable safetensors file"):
+        load_decomposition(str(run))
+
+
 def test_rerun_complete_and_refused_resume_leave_the_dir_untouched(finished_run, capsys):
     before = {f: open(finished_run / f, "rb").read()
               for f in ["target.json", "config.yaml", "metrics.jsonl", "summary.json"]}
