@@ -11,9 +11,11 @@ each process reads only the rows its own devices hold under the run's row shardi
 batch 0 of a separate schedule (seed `data.eval_seed`) over the held-out rows (all rows
 when eval_rows = 0).
 
-Every check runs here, before any compute: a missing or incomplete store, ids past the
-target's vocabulary, rows past its max_seq_len, a batch that does not divide over the
-processes, too few rows; each is a ConfigError naming the field.
+Every check runs here, before any compute: a missing, incomplete or damaged store (a
+garbled meta.json, a shard file cut short: data/tokens.py), ids past the target's
+vocabulary, rows past its max_seq_len, a batch that does not divide over the processes,
+too few rows; each is a ConfigError naming the field. A read that fails later (damage the
+open could not see) is a ConfigError naming data.store and the shard file too.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu.config import Config, ConfigError
 from ppgd_tpu.data.schedule import BatchSchedule, train_eval_schedules
-from ppgd_tpu.data.tokens import IncompleteStoreError, TokenStore
+from ppgd_tpu.data.tokens import DamagedStoreError, IncompleteStoreError, TokenStore
 from ppgd_tpu.data.toy import ToyData
 from ppgd_tpu.targets import llama_simple_mlp
 
@@ -94,7 +96,10 @@ class LMData:
         shape = (len(ids), self.seq_len)
 
         def fetch(start: int, stop: int) -> np.ndarray:
-            rows = self.store.read_rows(ids[start:stop]).astype(np.int32)
+            try:
+                rows = self.store.read_rows(ids[start:stop]).astype(np.int32)
+            except DamagedStoreError as e:  # damage the size check at open could not see
+                raise ConfigError(f"data.store: {e}") from None
             return rows[:, :-1] if inputs else rows[:, 1:]
 
         return mesh_lib.global_batch(fetch, shape, self.rows(shape))

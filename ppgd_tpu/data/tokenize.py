@@ -26,7 +26,8 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from ppgd_tpu.data.tokens import TokenStoreWriter, fs_for
+from ppgd_tpu import storage
+from ppgd_tpu.data.tokens import StoreWriteError, TokenStoreWriter, fs_for
 
 BYTE_EOS = 256
 # 256 bytes + EOS, padded to a multiple of 128 (the TPU lane width) so embedding and
@@ -167,7 +168,14 @@ def _parquet_vocab_size(files: list[str]) -> int:
 def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len: int,
              max_tokens: int | None = None, vocab_size: int | None = None,
              eos_id: int | None = None) -> dict:
-    """Pack the documents of `inputs` into a token store at `output`; returns its meta."""
+    """Pack the documents of `inputs` into a token store at `output`; returns its meta.
+    Every argument is checked before any input is read (`--output` too: a store that could
+    not be created is refused up front, not after the first shard was tokenized)."""
+    try:
+        storage.check_creatable(output, directory=True)
+    except ValueError as e:
+        raise TokenizeError(f"--output: {e}; give a directory the token store can be "
+                            "created in (a local path or gs://bucket/prefix)") from None
     files = expand_inputs(inputs)
     if not files:
         raise TokenizeError(f"--input {' '.join(inputs)}: matches no files")
@@ -209,6 +217,8 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
             writer.add_document(ids[:room], ended=ids.size < room)
         except ValueError as e:
             raise TokenizeError(str(e)) from e
+        except StoreWriteError as e:
+            raise TokenizeError(f"--output: {e}") from None
         bar.set_postfix(tokens=writer.n_tokens, rows=writer.n_rows, refresh=False)
         logging.log_every_n_seconds(logging.INFO, "tokenize: %d files, %d tokens, %d rows",
                                     30, bar.n, writer.n_tokens, writer.n_rows)
@@ -220,6 +230,8 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
         meta = writer.finish()
     except ValueError as e:
         raise TokenizeError(str(e)) from e
+    except StoreWriteError as e:
+        raise TokenizeError(f"--output: {e}") from None
     logging.info("tokenize: wrote %d rows x %d (%s) to %s from %d documents; %d tail tokens "
                  "dropped", meta["n_rows"], seq_len, meta["dtype"], output,
                  meta["n_documents"], meta["dropped_tokens"])

@@ -5,8 +5,15 @@ Layout under STORE (a local path or gs://bucket/prefix):
 
     tokens/       zarr3 array (tensorstore), sharded: one shard file per block of rows,
                   one inner chunk per row, so a random row costs one byte-range read
-    meta.json     vocab_size, seq_len, n_rows, dtype, eos_id, tokenizer, source, counts
+    meta.json     vocab_size, seq_len, n_rows, dtype, eos_id, tokenizer, source, counts,
+                  and `array_files`: the size of every file under tokens/ as written
     COMPLETE      written last; a store without it is refused ("re-run tokenize")
+
+Opening a store checks it against what tokenize wrote, so a damaged store is refused by
+file before any compute (DamagedStoreError): meta.json must parse, and every file under
+tokens/ must still have its recorded size (one listing; a shard cut short or lost would
+otherwise fail at some later read, or read as zeros). A store from before `array_files`
+is checked for its shard files only. A read that still fails names the shard.
 
 The array goes through tensorstore's kvstores (`file` or `gcs`; the gcs driver honours
 TENSORSTORE_GCS_HTTP_URL for an emulator); the two small files go through fsspec (gcsfs for
@@ -34,6 +41,57 @@ SHARD_BYTES = 32 * 2**20
 
 class IncompleteStoreError(FileNotFoundError):
     """The path holds no finished token store (missing, or a tokenize run that did not end)."""
+
+
+class DamagedStoreError(IncompleteStoreError):
+    """A store marked complete whose files are not what tokenize wrote (garbled meta.json, a
+    shard cut short or missing); the message names the file. An IncompleteStoreError, so
+    every caller that refuses an incomplete store refuses a damaged one the same way."""
+
+
+class StoreWriteError(OSError):
+    """The writer could not write the store (its path, permissions, space)."""
+
+
+REWRITE = "re-run `ppgd-tpu tokenize` to rewrite the store"
+
+
+def _short(e: Exception) -> str:
+    """A tensorstore error without the kilobyte of spec it appends."""
+    return str(e).split(" [tensorstore_spec=")[0][:400]
+
+
+def _file_sizes(fs, root: str) -> dict[str, int]:
+    """{path relative to root: size} of every file below `root` (one listing)."""
+    fs.invalidate_cache()
+    base = fs._strip_protocol(root).rstrip("/") + "/"
+    return {name[len(base):]: int(info["size"])
+            for name, info in sorted(fs.find(root, detail=True).items())
+            if info.get("type") == "file" and name.startswith(base)}
+
+
+def _check_meta(meta, where: str) -> None:
+    """Raises DamagedStoreError unless `meta` is a meta.json this version writes."""
+    if not isinstance(meta, dict):
+        raise DamagedStoreError(f"{where} is damaged (a JSON {type(meta).__name__}, not the "
+                                f"mapping tokenize writes); {REWRITE}")
+    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise DamagedStoreError(
+            f"{where}: format {meta.get('format')!r} version {meta.get('version')!r}, "
+            f"expected {FORMAT!r} version {FORMAT_VERSION}; {REWRITE}")
+    whole = lambda v, lo: type(v) is int and v >= lo  # noqa: E731 (bool is not a count)
+    wrong = [k for k, ok in (("n_rows", lambda v: whole(v, 1)),
+                             ("seq_len", lambda v: whole(v, 2)),
+                             ("vocab_size", lambda v: whole(v, 1)),
+                             ("dtype", lambda v: v in ("uint16", "uint32")),
+                             ("eos_id", lambda v: v is None or whole(v, 0)),
+                             ("array_files", lambda v: v is None or (
+                                 isinstance(v, dict)
+                                 and all(type(n) is int for n in v.values()))))
+             if not ok(meta.get(k))]
+    if wrong:
+        raise DamagedStoreError(f"{where} is damaged (bad or missing {', '.join(wrong)}); "
+                                f"{REWRITE}")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -99,18 +157,58 @@ class TokenStore:
                 raise IncompleteStoreError(
                     f"incomplete token store at {path}: re-run tokenize")
             raise IncompleteStoreError(f"no token store at {path}: run `ppgd-tpu tokenize`")
-        meta = json.loads(fs.cat_file(_join(p, META_FILE)))
-        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{_join(path, META_FILE)}: format {meta.get('format')!r} version "
-                f"{meta.get('version')!r}, expected {FORMAT!r} version {FORMAT_VERSION}")
-        array = ts.open(_array_spec(path), open=True, read=True).result()
+        where = _join(path, META_FILE)
+        try:
+            meta = json.loads(fs.cat_file(_join(p, META_FILE)))
+        except FileNotFoundError:
+            raise DamagedStoreError(f"{where} is missing, though the store is marked "
+                                    f"complete; {REWRITE}") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise DamagedStoreError(f"{where} is damaged (not valid JSON: {e}); "
+                                    f"{REWRITE}") from None
+        except OSError as e:
+            raise IncompleteStoreError(f"cannot read {where} ({e})") from None
+        _check_meta(meta, where)
+        tokens_dir = _join(path, ARRAY_DIR)
+        written = meta.get("array_files")
+        if written is not None:
+            found = _file_sizes(fs, _join(p, ARRAY_DIR))
+            for name, size in written.items():
+                if name not in found:
+                    raise DamagedStoreError(f"{_join(tokens_dir, name)} is missing (tokenize "
+                                            f"wrote {size} bytes); {REWRITE}")
+                if found[name] != size:
+                    raise DamagedStoreError(
+                        f"{_join(tokens_dir, name)} has {found[name]} bytes, tokenize wrote "
+                        f"{size} (cut short or changed); {REWRITE}")
+        try:
+            array = ts.open(_array_spec(path), open=True, read=True).result()
+        except ValueError as e:
+            raise DamagedStoreError(f"{_join(tokens_dir, 'zarr.json')}: the token array "
+                                    f"cannot be opened ({_short(e)}); {REWRITE}") from None
         want = (meta["n_rows"], meta["seq_len"])
         if tuple(array.shape) != want or array.dtype.numpy_dtype != np.dtype(meta["dtype"]):
-            raise ValueError(
+            raise DamagedStoreError(
                 f"token store at {path}: array is {tuple(array.shape)} "
-                f"{array.dtype.numpy_dtype}, meta.json says {want} {meta['dtype']}")
-        return cls(path, meta, array)
+                f"{array.dtype.numpy_dtype}, meta.json says {want} {meta['dtype']}; {REWRITE}")
+        store = cls(path, meta, array)
+        if written is None:  # a store from before array_files: its shards must all be there
+            found = _file_sizes(fs, _join(p, ARRAY_DIR))
+            lost = [s for s in range(-(-store.n_rows // store.rows_per_shard))
+                    if store._shard_key(s) not in found]
+            if lost:
+                raise DamagedStoreError(f"{_join(tokens_dir, store._shard_key(lost[0]))} is "
+                                        f"missing ({len(lost)} shard file(s) lost); {REWRITE}")
+        return store
+
+    @property
+    def rows_per_shard(self) -> int:
+        return int(self.array.chunk_layout.write_chunk.shape[0])
+
+    @staticmethod
+    def _shard_key(shard: int) -> str:
+        """The shard's file under tokens/ (zarr3 default chunk keys, rows x 1 shard grid)."""
+        return f"c/{shard}/0"
 
     @property
     def n_rows(self) -> int:
@@ -137,7 +235,23 @@ class TokenStore:
                 f"row ids must lie in [0, {self.n_rows}) for the store at {self.path}; "
                 f"got min {row_ids.min()}, max {row_ids.max()}")
         unique, inverse = np.unique(row_ids, return_inverse=True)
-        return self.array[unique].read().result()[inverse]
+        try:
+            return self.array[unique].read().result()[inverse]
+        except ValueError as e:
+            raise self._damaged_read(unique, e) from None
+
+    def _damaged_read(self, rows: np.ndarray, error: Exception) -> DamagedStoreError:
+        """The shard files a failed read of `rows` touched that fail on their own."""
+        shards = np.unique(rows // self.rows_per_shard)
+        bad = []
+        for s in shards:
+            try:
+                self.array[rows[rows // self.rows_per_shard == s]].read().result()
+            except ValueError:
+                bad.append(_join(_join(self.path, ARRAY_DIR), self._shard_key(int(s))))
+        where = ", ".join(bad) if bad else f"the shards of {_join(self.path, ARRAY_DIR)}"
+        return DamagedStoreError(f"{where}: cannot read token rows ({_short(error)}); "
+                                 f"{REWRITE}")
 
 
 class TokenStoreWriter:
@@ -195,12 +309,17 @@ class TokenStoreWriter:
     def _flush_rows(self, n: int) -> None:
         if n == 0:
             return
-        if self._array is None:
-            self._array = self._create()
-        rows = self._buf[:n * self.seq_len].reshape(n, self.seq_len)
-        self._array = self._array.resize(exclusive_max=[self.n_rows + n, None],
-                                         expand_only=True, resize_metadata_only=True).result()
-        self._array[self.n_rows:self.n_rows + n].write(rows).result()
+        try:
+            if self._array is None:
+                self._array = self._create()
+            rows = self._buf[:n * self.seq_len].reshape(n, self.seq_len)
+            self._array = self._array.resize(exclusive_max=[self.n_rows + n, None],
+                                             expand_only=True,
+                                             resize_metadata_only=True).result()
+            self._array[self.n_rows:self.n_rows + n].write(rows).result()
+        except (ValueError, OSError) as e:  # tensorstore reports I/O failures as ValueError
+            raise StoreWriteError(f"cannot write the token store at {self.path}: "
+                                  f"{_short(e)}") from None
         self.n_rows += n
         rest = self._fill - n * self.seq_len
         self._buf[:rest] = self._buf[n * self.seq_len:self._fill]
@@ -238,13 +357,17 @@ class TokenStoreWriter:
                 f"the corpus has {self.n_tokens} tokens, fewer than one row of --seq_len "
                 f"{self.seq_len}: lower --seq_len or add input")
         self._flush_rows(full)
-        meta = {
-            "format": FORMAT, "version": FORMAT_VERSION,
-            "n_rows": self.n_rows, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
-            "dtype": self.dtype.name, "eos_id": self.eos_id,
-            "n_documents": self.n_documents, "n_tokens": self.n_tokens,
-            "dropped_tokens": dropped,
-        } | self.info
-        _write_small(_join(self.path, META_FILE), json.dumps(meta, indent=1) + "\n")
-        _write_small(_join(self.path, MARKER_FILE), "")
+        try:
+            fs, p = fs_for(self.path)
+            meta = {
+                "format": FORMAT, "version": FORMAT_VERSION,
+                "n_rows": self.n_rows, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
+                "dtype": self.dtype.name, "eos_id": self.eos_id,
+                "n_documents": self.n_documents, "n_tokens": self.n_tokens,
+                "dropped_tokens": dropped,
+            } | self.info | {"array_files": _file_sizes(fs, _join(p, ARRAY_DIR))}
+            _write_small(_join(self.path, META_FILE), json.dumps(meta, indent=1) + "\n")
+            _write_small(_join(self.path, MARKER_FILE), "")
+        except OSError as e:
+            raise StoreWriteError(f"cannot write the token store at {self.path}: {e}") from None
         return meta

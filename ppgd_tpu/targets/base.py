@@ -17,11 +17,19 @@ from typing import Callable, NamedTuple
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from ppgd_tpu.decomp.divergence import mse
 from ppgd_tpu.targets.lowrank import dense, lift, select_rows
 
 SiteFn = Callable[[str, jax.Array, jax.Array], jax.Array]
+
+
+def nonfinite(tensors: dict) -> list[str]:
+    """A target check's reasons for the tensors holding a NaN or an infinity (comparisons
+    with NaN are False, so a check must look for them rather than let them pass)."""
+    return [f"tensor {k!r} has non-finite values" for k, v in tensors.items()
+            if not bool(np.all(np.isfinite(np.asarray(v))))]
 
 
 class SiteMask(NamedTuple):

@@ -28,7 +28,7 @@ import numpy as np
 
 from ppgd_tpu.config import ConfigError, LlamaConfig
 from ppgd_tpu.decomp.divergence import kl
-from ppgd_tpu.targets.base import Target
+from ppgd_tpu.targets.base import Target, nonfinite
 
 NORM_EPS = 1e-5
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -251,8 +251,7 @@ def from_state_dict(cfg: LlamaConfig, sd) -> LlamaSimpleMLP:
 
 def check(target: LlamaSimpleMLP, cfg: LlamaConfig) -> list[str]:
     """Every weight finite (a diverged pretraining run is refused by name)."""
-    return [f"tensor {k!r} has non-finite values" for k, v in state_dict(target).items()
-            if not bool(jnp.all(jnp.isfinite(v)))]
+    return nonfinite(state_dict(target))
 
 
 def check_tokens(cfg: LlamaConfig, vocab_size: int, seq_len: int, where: str) -> None:

@@ -7,6 +7,10 @@ The first `eval_rows` rows are held out; the eval loss on them is logged at step
 `eval_every` steps and at the end. Progress goes to the console and `<output stem>
 .metrics.jsonl`; the weights go to a safetensors file (tensor names = state-dict names,
 target config in the metadata) that `build.load` reads back as `target.path`.
+The log and the weights go together: the log is written as `<log>.partial` while training
+and moved to its name only once the weights are saved, so a run that dies (killed,
+diverged, refused) leaves the previous run's weights AND log in place, and its own progress
+in the .partial file.
 Single-process: every process of a multi-host launch would train the same model.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import equinox as eqx
 import jax
@@ -23,9 +28,10 @@ import optax
 from absl import logging
 
 from ppgd_tpu import metrics as metrics_lib
+from ppgd_tpu import storage
 from ppgd_tpu.config import ConfigError, TargetConfig
 from ppgd_tpu.data.schedule import train_eval_schedules
-from ppgd_tpu.data.tokens import IncompleteStoreError, TokenStore
+from ppgd_tpu.data.tokens import DamagedStoreError, IncompleteStoreError, TokenStore
 from ppgd_tpu.targets import build
 from ppgd_tpu.targets import llama_simple_mlp as lm
 
@@ -38,6 +44,11 @@ def next_token_loss(target: lm.LlamaSimpleMLP, rows):
 
 def metrics_path(output: str) -> str:
     return os.path.splitext(output)[0] + ".metrics.jsonl"
+
+
+def partial_metrics_path(output: str) -> str:
+    """Where the log of a run in progress is written (local outputs: next to the output)."""
+    return metrics_path(output) + ".partial"
 
 
 def _optimizer(cfg: TargetConfig) -> optax.GradientTransformation:
@@ -73,8 +84,14 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
         store.n_rows, train_batch=pc.batch_size, train_seed=cfg.seed,
         eval_batch=min(pc.batch_size, pc.eval_rows), eval_seed=cfg.seed + 1,
         eval_rows=pc.eval_rows)
-    eval_rows = [jnp.asarray(store.read_rows(held_out.rows(j)), jnp.int32)
-                 for j in range(pc.eval_batches)]
+
+    def read(rows):
+        try:
+            return jnp.asarray(store.read_rows(rows), jnp.int32)
+        except DamagedStoreError as e:  # damage the size check at open could not see
+            raise ConfigError(f"--store: {e}") from None
+
+    eval_rows = [read(held_out.rows(j)) for j in range(pc.eval_batches)]
 
     target = lm.init(lcfg, jax.random.key(cfg.seed))
     opt = _optimizer(cfg)
@@ -91,36 +108,51 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
     def evaluate(target):
         return float(np.mean([eval_loss(target, rows) for rows in eval_rows]))
 
-    path = metrics_path(output)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    remote = storage.is_gcs(output)
+    if remote:  # the log is kept locally and uploaded whole once the weights are
+        fd, partial = tempfile.mkstemp(suffix=".metrics.jsonl.partial")
+        os.close(fd)
+    else:
+        partial = partial_metrics_path(output)
+        os.makedirs(os.path.dirname(os.path.abspath(partial)), exist_ok=True)
     bar = metrics_lib.Progress(pc.steps, 0, progress)
     summary: dict = {}
-    with open(path, "w") as log:
-        def write(values):
-            log.write(json.dumps(values) + "\n")
-            log.flush()
+    try:
+        with open(partial, "w") as log:
+            def write(values):
+                log.write(json.dumps(values) + "\n")
+                log.flush()
 
-        write({"step": 0, "eval/loss": evaluate(target)})
-        for s in range(pc.steps):
-            rows = jnp.asarray(store.read_rows(train.rows(s)), jnp.int32)
-            target, opt_state, loss, gnorm = step(target, opt_state, rows)
-            done = s + 1
-            if done % pc.log_every == 0 or done == pc.steps:
-                summary = {"step": done, "train/loss": float(loss),
-                           "train/grad_norm": float(gnorm),
-                           "train/epoch": train.epoch(s)}
-                write(summary)
-                bar.update(pc.log_every if done % pc.log_every == 0 else done % pc.log_every,
-                           summary["train/loss"])
-                logging.info("pretrain step %d: loss %.4f", done, summary["train/loss"])
-            if done % pc.eval_every == 0 or done == pc.steps:
-                ev = {"step": done, "eval/loss": evaluate(target)}
-                write(ev)
-                summary.update(ev)
-                logging.info("pretrain step %d: eval loss %.4f", done, ev["eval/loss"])
-    bar.close()
-    build.check(target, cfg)
-    build.save(target, cfg, output)
+            write({"step": 0, "eval/loss": evaluate(target)})
+            for s in range(pc.steps):
+                rows = read(train.rows(s))
+                target, opt_state, loss, gnorm = step(target, opt_state, rows)
+                done = s + 1
+                if done % pc.log_every == 0 or done == pc.steps:
+                    summary = {"step": done, "train/loss": float(loss),
+                               "train/grad_norm": float(gnorm),
+                               "train/epoch": train.epoch(s)}
+                    write(summary)
+                    bar.update(pc.log_every if done % pc.log_every == 0
+                               else done % pc.log_every, summary["train/loss"])
+                    logging.info("pretrain step %d: loss %.4f", done, summary["train/loss"])
+                if done % pc.eval_every == 0 or done == pc.steps:
+                    ev = {"step": done, "eval/loss": evaluate(target)}
+                    write(ev)
+                    summary.update(ev)
+                    logging.info("pretrain step %d: eval loss %.4f", done, ev["eval/loss"])
+        bar.close()
+        build.check(target, cfg)
+        build.save(target, cfg, output)
+        # The weights are in place: now their log replaces the previous run's.
+        if remote:
+            with open(partial, "rb") as f:
+                storage.write_bytes(metrics_path(output), f.read())
+        else:
+            os.replace(partial, metrics_path(output))
+    finally:
+        if remote and os.path.exists(partial):
+            os.remove(partial)
     return summary
 
 

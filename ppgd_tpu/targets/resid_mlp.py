@@ -13,7 +13,7 @@ import numpy as np
 
 from ppgd_tpu.config import ResidMLPConfig
 from ppgd_tpu.data.toy import sparse_features
-from ppgd_tpu.targets.base import Target
+from ppgd_tpu.targets.base import Target, nonfinite
 from ppgd_tpu.targets.lowrank import LowRank, dense
 
 
@@ -92,10 +92,16 @@ def monosemantic_baseline(target: ResidMLP) -> float:
 
 
 def check(target: ResidMLP, cfg: ResidMLPConfig) -> list[str]:
-    """Read-off MSE must beat the monosemantic baseline (TOYS.md)."""
+    """Every weight finite, and the read-off MSE below the monosemantic baseline (TOYS.md)."""
+    bad = nonfinite(state_dict(target))
+    if bad:
+        return bad
     x = target.sample(jax.random.key(1234), 20000)
     out = target.forward(x, lambda _, h, W: h @ W)
     mse = float(jnp.mean(jnp.square(out - target.labels(x))))
+    if not np.isfinite(mse):
+        return [f"read-off MSE is {mse}: the outputs have non-finite values (the weights "
+                "overflow)"]
     base = monosemantic_baseline(target)
     return [] if mse < base else [
         f"read-off MSE {mse:.3e} is not below the monosemantic baseline {base:.3e}"]

@@ -13,7 +13,7 @@ import numpy as np
 
 from ppgd_tpu.config import TMSConfig
 from ppgd_tpu.data.toy import sparse_features
-from ppgd_tpu.targets.base import Target
+from ppgd_tpu.targets.base import Target, nonfinite
 
 
 class TMS(Target):
@@ -71,12 +71,21 @@ def trainable_filter(target: TMS):
 
 
 def check(target: TMS, cfg: TMSConfig) -> list[str]:
-    """Every feature well preserved: |x_hat_i - 0.75| < tol on the one-hot 0.75 e_i."""
+    """Every weight finite, and every feature well preserved: |x_hat_i - 0.75| < tol on the
+    one-hot 0.75 e_i. (Comparisons with NaN are False, so each test is written to fail on
+    NaN rather than pass.)"""
+    bad = nonfinite(state_dict(target))
+    if bad:
+        return bad
     n, tol = target.n_features, cfg.check_tol
     out = np.asarray(target.forward(0.75 * jnp.eye(n), lambda _, h, W: h @ W))
+    if not np.all(np.isfinite(out)):
+        return ["x_hat has non-finite values on the one-hot inputs 0.75 e_i (the weights "
+                "overflow)"]
     diag = np.diag(out)
     return [f"feature {i}: x_hat_i = {diag[i]:.3f} on input 0.75 e_i (|x_hat_i - 0.75| must "
-            f"be < target.tms.check_tol = {tol})" for i in range(n) if abs(diag[i] - 0.75) >= tol]
+            f"be < target.tms.check_tol = {tol})" for i in range(n)
+            if not abs(diag[i] - 0.75) < tol]
 
 
 def state_dict(target: TMS) -> dict[str, jax.Array]:

@@ -1,0 +1,309 @@
+"""Bad targets, outputs and token stores are refused up front, by name, with exit status 2;
+nothing already written is lost and a partial file is never read as a finished one.
+
+All on real files: NaN targets written by the package's own `build.save`, token stores
+written by `ppgd-tpu tokenize` and then damaged on disk, a real pretrain process killed
+mid-run.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import TINY_YAML
+from ppgd_tpu import cli
+from ppgd_tpu.config import load
+from ppgd_tpu.data import tokens
+from ppgd_tpu.data.tokens import IncompleteStoreError, TokenStore
+from ppgd_tpu.targets import build, lm_pretrain
+
+
+def _run(argv, capsys):
+    rc = cli.run(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# ---------------------------------------------------------------- 1. non-finite toy targets
+
+
+@pytest.mark.parametrize("config,tensor,value", [
+    (None, "W", np.nan),  # the embedded TMS 5-2 default
+    (None, "b", np.nan),
+    ("configs/resid_mlp1.yaml", "layers.0.mlp_out", np.inf),
+    ("configs/resid_mlp1.yaml", "W_E", np.nan),
+])
+def test_a_non_finite_toy_target_is_refused_by_tensor_before_any_step(
+        config, tensor, value, tmp_path, capsys):
+    """A target file that is valid safetensors of the right shapes, one weight non-finite:
+    `train --target.path` exits 2 naming the tensor, and no run dir is created."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = config and os.path.join(root, config)
+    cfg = load(config).target
+    mod, sub = build.KINDS[cfg.kind], getattr(cfg, cfg.kind)
+    if cfg.kind == "tms":  # a trained TMS (1 s) passes validation until one weight is NaN
+        target = build.pretrain(cfg)
+        build.check(target, cfg)
+    else:  # an untrained ResidMLP fails on its read-off MSE, but must be refused by tensor
+        target = mod.init(sub, jax.random.key(0))
+    sd = {k: np.array(v) for k, v in mod.state_dict(target).items()}
+    sd[tensor].flat[0] = value
+    path = str(tmp_path / "bad.safetensors")
+    build.save(mod.from_state_dict(sub, sd), cfg, path)
+
+    run = tmp_path / "run"
+    rc, _, err = _run(["train", *([f"--config={config}"] if config else []),
+                       f"--target.path={path}", f"--run_dir={run}"], capsys)
+    assert rc == 2, err
+    assert f"tensor {tensor!r} has non-finite values" in err
+    assert "failed validation" in err
+    assert not run.exists()  # refused before the run dir, so before any decomposition step
+
+
+# ---------------------------------------------------------------- 2. tokenize --output
+
+
+def _corpus(tmp_path) -> str:
+    d = tmp_path / "corpus"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it"]
+    for i in range(4):
+        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 1500)) + ".")
+    return str(d / "*.txt")
+
+
+@pytest.mark.parametrize("where", ["an existing file", "a path under a file"])
+def test_tokenize_refuses_an_output_it_cannot_create_before_reading_input(
+        where, tmp_path, capsys):
+    """Both fail for root too (a read-only chmod would not): exit 2, a short message that
+    names --output and the path, and the file in the way is left as it was."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("keep me")
+    output = str(blocker if where == "an existing file" else blocker / "store")
+    rc, _, err = _run(["tokenize", "--input", _corpus(tmp_path), "--output", output,
+                       "--seq_len", "17"], capsys)
+    assert rc == 2
+    assert err.startswith("ppgd-tpu tokenize: error: --output: ") and str(blocker) in err
+    assert "tensorstore" not in err and len(err) < 400, err
+    assert blocker.read_text() == "keep me"
+
+
+def test_tokenize_checks_output_before_any_input_is_read(tmp_path, capsys):
+    """A damaged parquet input would be read (scanned for its vocabulary) first; the output
+    is refused before that: nothing of the input is read for a store that cannot exist."""
+    (tmp_path / "docs.parquet").write_bytes(b"not parquet at all")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc, _, err = _run(["tokenize", "--input", str(tmp_path / "*.parquet"), "--output",
+                       str(blocker / "store"), "--seq_len", "17"], capsys)
+    assert rc == 2 and "--output: " in err and "parquet" not in err, err
+
+
+# ---------------------------------------------------------------- 3. damaged token stores
+
+
+@pytest.fixture(scope="module")
+def lm_setup(tmp_path_factory):
+    """A byte-level store (rows of 17 tokens), the tiny LM config and an (untrained, finite)
+    LM target file for it: what `train --data.store` needs to reach the store."""
+    root = tmp_path_factory.mktemp("robust")
+    store = str(root / "store")
+    assert cli.run(["tokenize", "--input", _corpus(root), "--output", store,
+                    "--seq_len", "17"]) == 0
+    config = root / "tiny.yaml"
+    config.write_text(TINY_YAML)
+    cfg = load(str(config)).target
+    target = str(root / "lm.safetensors")
+    build.save(build.KINDS[cfg.kind].init(cfg.llama_simple_mlp, jax.random.key(0)), cfg,
+               target)
+    return {"store": store, "config": str(config), "target": target}
+
+
+def _copy_store(src, dst) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _damage(store: str, how: str) -> str:
+    """Damages the store on disk; returns the damaged file's path inside the store."""
+    if how == "garbage meta.json":
+        name = tokens.META_FILE
+        with open(os.path.join(store, name), "w") as f:
+            f.write('{"format": "ppgd_tpu.token_store", "n_rows": 1')  # cut mid-write
+    elif how == "meta.json not a mapping":
+        name = tokens.META_FILE
+        with open(os.path.join(store, name), "w") as f:
+            f.write("[1, 2, 3]")
+    elif how == "shard cut short":
+        name = "tokens/c/0/0"
+        p = os.path.join(store, name)
+        os.truncate(p, os.path.getsize(p) // 2)
+    elif how == "shard lost":
+        name = "tokens/c/0/0"
+        os.remove(os.path.join(store, name))
+    else:
+        raise AssertionError(how)
+    assert os.path.exists(os.path.join(store, tokens.MARKER_FILE))  # still marked complete
+    return name
+
+
+DAMAGE = ["garbage meta.json", "meta.json not a mapping", "shard cut short", "shard lost"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_store_is_refused_at_open_naming_the_file(how, lm_setup, tmp_path):
+    store = _copy_store(lm_setup["store"], tmp_path / "store")
+    name = _damage(store, how)
+    with pytest.raises(IncompleteStoreError) as e:
+        TokenStore.open(store)
+    assert os.path.join(store, name) in str(e.value) and "re-run `ppgd-tpu tokenize`" in str(
+        e.value)
+
+
+@pytest.mark.parametrize("how", ["garbage meta.json", "shard cut short"])
+def test_train_refuses_a_damaged_store_with_status_2(how, lm_setup, tmp_path, capsys):
+    store = _copy_store(lm_setup["store"], tmp_path / "store")
+    name = _damage(store, how)
+    run = tmp_path / "run"
+    rc, _, err = _run(["train", f"--config={lm_setup['config']}",
+                       f"--target.path={lm_setup['target']}", f"--data.store={store}",
+                       f"--run_dir={run}"], capsys)
+    assert rc == 2, err
+    assert err.startswith("ppgd-tpu train: error: data.store: ")
+    assert os.path.join(store, name) in err and "tokenize" in err
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("how", ["garbage meta.json", "shard cut short"])
+def test_pretrain_refuses_a_damaged_store_with_status_2(how, lm_setup, tmp_path, capsys):
+    store = _copy_store(lm_setup["store"], tmp_path / "store")
+    name = _damage(store, how)
+    out = tmp_path / "lm.safetensors"
+    rc, _, err = _run(["pretrain", f"--config={lm_setup['config']}", f"--store={store}",
+                       f"--output={out}"], capsys)
+    assert rc == 2, err
+    assert err.startswith("ppgd-tpu pretrain: error: --store: ")
+    assert os.path.join(store, name) in err and "tokenize" in err
+    assert not out.exists() and not os.path.exists(lm_pretrain.metrics_path(str(out)))
+
+
+def test_a_store_from_before_the_recorded_sizes_is_still_checked(lm_setup, tmp_path, capsys):
+    """A store whose meta.json has no `array_files` opens and reads as before; a lost shard
+    is refused at open, a shard cut short at its first read, both naming the file."""
+    def legacy(dst):
+        store = _copy_store(lm_setup["store"], dst)
+        meta_path = os.path.join(store, tokens.META_FILE)
+        with open(meta_path) as f:
+            meta = json.load(f)
+        meta.pop("array_files", None)
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+        return store
+
+    good = legacy(tmp_path / "good")
+    np.testing.assert_array_equal(TokenStore.open(good).read_rows(np.arange(5)),
+                                  TokenStore.open(lm_setup["store"]).read_rows(np.arange(5)))
+
+    lost = legacy(tmp_path / "lost")
+    name = _damage(lost, "shard lost")
+    with pytest.raises(IncompleteStoreError, match="is missing"):
+        TokenStore.open(lost)
+
+    cut = legacy(tmp_path / "cut")
+    name = _damage(cut, "shard cut short")
+    TokenStore.open(cut)  # nothing recorded to compare its size with
+    run = tmp_path / "run"
+    rc, _, err = _run(["train", f"--config={lm_setup['config']}",
+                       f"--target.path={lm_setup['target']}", f"--data.store={cut}",
+                       f"--run_dir={run}"], capsys)
+    assert rc == 2, err
+    assert err.startswith("ppgd-tpu train: error: data.store: ")
+    assert os.path.join(cut, name) in err and "tokenize" in err and len(err) < 1000
+    assert not run.exists()
+
+
+# ---------------------------------------------------------------- 4. the pretrain log
+
+
+def test_a_killed_pretrain_rerun_keeps_the_previous_weights_and_their_log(
+        lm_setup, tmp_path, capsys):
+    out = str(tmp_path / "lm.safetensors")
+    log = lm_pretrain.metrics_path(out)
+    base = [f"--config={lm_setup['config']}", f"--store={lm_setup['store']}", f"--output={out}"]
+    assert _run(["pretrain", *base], capsys)[0] == 0
+    weights, metrics = open(out, "rb").read(), open(log).read()
+    assert json.loads(metrics.splitlines()[-1])["step"] == 30
+    assert not os.path.exists(log + ".partial")
+
+    # The same output again, a run long enough to be killed while it trains.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ppgd_tpu.cli", "pretrain", *base,
+         "--target.llama_simple_mlp.pretrain.steps=1000000",
+         "--target.llama_simple_mlp.pretrain.log_every=1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    partial = log + ".partial"
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            started = (os.path.exists(partial) and os.path.getsize(partial) > 0) or (
+                open(log).read() != metrics)  # (where a run that logs in place shows it)
+            if started:
+                time.sleep(0.5)  # a few steps logged
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert open(out, "rb").read() == weights
+    assert open(log).read() == metrics  # the log of the weights that are there
+    # The killed run's progress is there for a look, under a name nothing reads as a log.
+    assert json.loads(open(partial).readline())["step"] == 0
+
+    # A run that finishes replaces both, and leaves no partial log.
+    assert _run(["pretrain", *base, "--target.llama_simple_mlp.pretrain.steps=20"],
+                capsys)[0] == 0
+    steps = [json.loads(x)["step"] for x in open(log)]
+    assert steps[-1] == 20 and open(out, "rb").read() != weights
+    assert not os.path.exists(partial)
+
+
+def test_on_gcs_the_sizes_are_recorded_and_checked_and_the_log_goes_with_the_weights(
+        gcs_emulator, lm_setup, tmp_path, capsys, monkeypatch):
+    """The same checks through gcsfs listings, and `pretrain --output gs://...` puts its log
+    next to the weights (kept locally until then, never in a local `gs:` directory)."""
+    root = gcs_emulator.run_dir()
+    store = f"{root}/store"
+    assert cli.run(["tokenize", "--input", _corpus(tmp_path), "--output", store,
+                    "--seq_len", "17"]) == 0
+    st = TokenStore.open(store)
+    assert st.meta["array_files"] == TokenStore.open(lm_setup["store"]).meta["array_files"]
+    np.testing.assert_array_equal(st.read_rows(np.arange(4)),
+                                  TokenStore.open(lm_setup["store"]).read_rows(np.arange(4)))
+
+    out = f"{root}/lm.safetensors"
+    monkeypatch.chdir(tmp_path)
+    assert _run(["pretrain", f"--config={lm_setup['config']}", f"--store={store}",
+                 f"--output={out}", "--target.llama_simple_mlp.pretrain.steps=10"],
+                capsys)[0] == 0
+    from ppgd_tpu import storage
+
+    steps = [json.loads(x)["step"] for x in
+             storage.read_bytes(lm_pretrain.metrics_path(out)).decode().splitlines()]
+    assert steps[-1] == 10 and storage.exists(out) and not (tmp_path / "gs:").exists()
+
+    fs, p = tokens.fs_for(f"{store}/tokens/c/0/0")
+    fs.pipe_file(p, fs.cat_file(p)[:1000])  # the shard object replaced by a cut-short one
+    rc, _, err = _run(["pretrain", f"--config={lm_setup['config']}", f"--store={store}",
+                       f"--output={tmp_path / 'x.safetensors'}"], capsys)
+    assert rc == 2 and f"{store}/tokens/c/0/0 has 1000 bytes" in err, err
