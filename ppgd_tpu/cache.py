@@ -15,6 +15,9 @@ configured for JAX (JAX_COMPILATION_CACHE_DIR or jax.config) wins. Set by the `p
 entry point only, like the allocator setting (cpu_runtime): the Python API and the tests
 leave JAX's configuration alone. A cached program is the compiled program, so it changes no
 result.
+
+A root that cannot be written (read-only, or a file) costs only speed, never a run: JAX warns
+and compiles, and a trained toy target is used uncached with a warning (targets/build.py).
 """
 
 from __future__ import annotations

@@ -120,16 +120,23 @@ def write_bytes(path: str, data: bytes) -> None:
     os.replace(tmp, p)
 
 
-def list_dirs(path: str) -> list[str]:
-    """Names (not paths) of the immediate sub-directories of `path`; [] if it does not exist."""
+def list_entries(path: str) -> list[str]:
+    """Names (not paths) directly in `path`, sub-directories with a trailing "/"; [] if it
+    does not exist."""
     fs, p = _fs_and_path(path)
     if not fs.exists(p):
         return []
-    return sorted(
-        posixpath.basename(e["name"].rstrip("/"))
-        for e in fs.ls(p, detail=True)
-        if e["type"] == "directory"
-    )
+    out = []
+    for e in fs.ls(p, detail=True):
+        name = posixpath.basename(e["name"].rstrip("/"))
+        if name and e["name"].rstrip("/") != p.rstrip("/"):  # gcs may list the prefix itself
+            out.append(name + ("/" if e["type"] == "directory" else ""))
+    return sorted(out)
+
+
+def list_dirs(path: str) -> list[str]:
+    """Names (not paths) of the immediate sub-directories of `path`; [] if it does not exist."""
+    return [n[:-1] for n in list_entries(path) if n.endswith("/")]
 
 
 def list_files(path: str) -> dict[str, int]:

@@ -4,18 +4,28 @@ RUN_DIR/config.yaml is written ONCE, when the run starts; a later command on the
 must resolve to the same trajectory (fields under RESUMABLE_PREFIXES may differ) or it is
 refused with a diff, before anything in the dir is touched. RUN_DIR/summary.json marks a
 complete run: re-running it reports "already complete" and changes nothing.
+
+A local run dir is held by one command at a time: RUN_DIR/.lock, flock'ed by the main
+process from the moment the command may write there until it ends (the kernel releases it
+when the process dies, even by SIGKILL, so a lock is never stale). gs:// run dirs are not
+locked.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import socket
 import time
+import weakref
 
 import yaml
+from absl import logging
 
 from ppgd_tpu import config as config_lib
-from ppgd_tpu import storage
+from ppgd_tpu import dist, storage
 from ppgd_tpu.config import Config, ConfigError
 
 CONFIG = "config.yaml"
@@ -24,10 +34,91 @@ SUMMARY = "summary.json"
 DECOMPOSITION = "decomposition.safetensors"
 TARGET = "target.json"
 FIGURES = "figures"
+LOCK = ".lock"
+# What a dir may hold and still be a new run dir: the lock, and what create() leaves when
+# it is killed before config.yaml lands (target.json, the temp names of atomic writes).
+_CREATION_LEFTOVERS = (LOCK, TARGET)
+_TEMP_MARK = ".tmp-"  # storage.write_bytes: "<name>.tmp-<hex>", renamed when whole
 
 
 def default_run_dir(cfg: Config) -> str:
     return os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+class _Lock:
+    """An open, flock'ed RUN_DIR/.lock: released when the last RunDir holding it is gone
+    (or the process ends: the kernel drops flocks with their process)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
+
+
+# One lock per run dir per process: a second RunDir on the same dir in this process (the
+# Python API training the same dir again) shares it instead of refusing itself.
+_HELD: weakref.WeakValueDictionary[str, _Lock] = weakref.WeakValueDictionary()
+
+
+def _holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 200, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "its pid not yet recorded"
+
+
+def _acquire(path: str) -> _Lock | None:
+    """Takes `path`/.lock (exclusive, non-blocking); None on a filesystem without locks."""
+    lock_file = os.path.join(path, LOCK)
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:  # e.g. a .lock another user made, read-only to this one
+        raise ConfigError(f"--run_dir: cannot open {lock_file} to lock the run dir "
+                          f"({e.strerror or e}); this user must be able to write it") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = _holder(fd)
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise ConfigError(
+                f"--run_dir: {path} is in use by another ppgd-tpu command ({holder}, per "
+                f"{lock_file}); two commands in one run dir would interleave its metrics and "
+                "checkpoints. Wait for it to end, or stop it (SIGTERM saves a checkpoint) and "
+                "re-run this command to resume, or use a new --run_dir") from None
+        logging.warning("%s: cannot lock (%s); this filesystem has no file locks, so another "
+                        "command on the same run dir would not be detected", lock_file,
+                        os.strerror(e.errno or 0))
+        return None
+    me = f"pid {os.getpid()} on host {socket.gethostname()}"
+    if _holder(fd) != me:  # the same process taking it again changes nothing
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me.encode() + b"\n", 0)
+    return _Lock(fd)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(e).split())
+
+
+def _unwritable(path: str) -> str | None:
+    """Why a command could not write the local run dir `path` (it or a dir below it: new
+    checkpoints, metrics, TensorBoard events, retention deleting old steps), or None."""
+    for here, dirs, _ in os.walk(path):
+        if not os.access(here, os.W_OK | os.X_OK):
+            try:
+                read_only = bool(os.statvfs(here).f_flag & os.ST_RDONLY)
+            except OSError:
+                read_only = False
+            return (f"{here} is on a read-only file system" if read_only
+                    else f"no permission to write in {here}")
+        dirs.sort()
+    return None
 
 
 class RunDir:
@@ -38,6 +129,7 @@ class RunDir:
             self.path = storage.normalize(path)
         except ValueError as e:
             raise ConfigError(f"--run_dir: {e}") from None
+        self._lock: _Lock | None = None
 
     def file(self, name: str) -> str:
         return storage.join(self.path, name)
@@ -50,17 +142,69 @@ class RunDir:
     def complete(self) -> bool:
         return storage.exists(self.file(SUMMARY))
 
-    def stored_config(self) -> Config:
-        data = yaml.safe_load(storage.read_bytes(self.file(CONFIG))) or {}
-        return config_lib.from_dict(Config, data)
-
-    def check_compatible(self, cfg: Config) -> None:
-        """Refuses a config whose trajectory differs from the one this dir was started with."""
+    def _stored_mapping(self) -> dict:
+        """config.yaml as written by create(): a YAML mapping. Anything else was damaged or
+        edited by hand, and is refused naming the file (never read as the default config)."""
+        where = self.file(CONFIG)
+        fix = ("it is written once, when the run starts, and never rewritten: restore the "
+               "original, or use a new --run_dir")
         try:
-            old = self.stored_config()
+            text = storage.read_bytes(where)
+        except OSError as e:
+            raise ConfigError(f"--run_dir: cannot read {where} "
+                              f"({e.strerror or e}); {fix}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--run_dir: {where} is not valid YAML ({_yaml_problem(e)}); "
+                              f"{fix}") from None
+        if data is None:
+            raise ConfigError(f"--run_dir: {where} is empty; {fix}")
+        if not isinstance(data, dict):
+            raise ConfigError(f"--run_dir: {where} must hold a mapping (the run's config, "
+                              f"`field: value`), not a {type(data).__name__}; {fix}")
+        return data
+
+    def stored_config(self) -> Config:
+        data = self._stored_mapping()
+        try:
+            return config_lib.from_dict(Config, data)
         except ConfigError as e:
             raise ConfigError(f"--run_dir: {self.path} holds a config this version cannot "
                               f"read ({e}); use a new --run_dir") from None
+
+    def lock(self) -> None:
+        """Holds RUN_DIR/.lock for this process (main process only; nothing for gs://) until
+        release() or this RunDir is gone; refuses (ConfigError) while another live command
+        holds it, naming its pid and host. The kernel drops the lock when its process dies."""
+        if self._lock is not None or storage.is_gcs(self.path) or not dist.is_main():
+            return
+        held = _HELD.get(self.path)
+        if held is None:
+            held = _acquire(self.path)
+            if held is None:  # no locks on this filesystem: warned
+                return
+            _HELD[self.path] = held
+        self._lock = held
+
+    def release(self) -> None:
+        """Drops this RunDir's hold on the lock (released once no RunDir of this process on
+        the same dir holds it)."""
+        self._lock = None
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def check_compatible(self, cfg: Config) -> None:
+        """Refuses a config whose trajectory differs from the one this dir was started with.
+
+        For a run that is not complete (it will be resumed, so written), also refuses a
+        local dir this process could not write and one another command holds, and takes its
+        lock (main process): every process learns of any one's refusal, before compute."""
+        old = self.stored_config()
         # A run that recorded its target's weights may find them at another path (a copy on
         # gs://, another host's disk): check_target then compares the weights themselves.
         moved = ("target.path",) if storage.exists(self.file(TARGET)) else ()
@@ -70,15 +214,55 @@ class RunDir:
                 f"--run_dir: {self.path} was started with a different config; these fields "
                 "change the trajectory and may not differ on resume:\n" + "\n".join(diff)
                 + "\n(use a new --run_dir, or the original values)")
+        if self.complete:  # nothing will be written: reported "already complete"
+            return
+        problem = None
+        if not storage.is_gcs(self.path):
+            problem = _unwritable(self.path)
+            if problem:
+                problem = (f"--run_dir: {problem}, so the run in {self.path} cannot be resumed; "
+                           "make it writable, or copy the run dir somewhere writable and "
+                           "resume the copy")
+        if problem is None:
+            try:
+                self.lock()
+            except ConfigError as e:
+                problem = str(e)
+        problems = dist.gather_from_all(problem)
+        for index, p in enumerate(problems):
+            if p:
+                raise ConfigError(p + (f" (seen by process {index})" if index else ""))
 
     def check_creatable(self) -> None:
+        """A new run may start here: the dir can be created and written (local), and it is
+        empty but for what an interrupted create() leaves. A dir with anything else but no
+        config.yaml (checkpoints, metrics) was not made by this tool or lost its config.yaml:
+        resuming its checkpoints under whatever config is given would be wrong."""
         try:
             storage.check_creatable(self.path, directory=True)
         except ValueError as e:
             raise ConfigError(f"--run_dir: {e}") from None
+        extra = [n for n in storage.list_entries(self.path) if n not in _CREATION_LEFTOVERS
+                 and not n.startswith(tuple(f + _TEMP_MARK for f in (CONFIG, TARGET)))]
+        if extra:
+            shown = ", ".join(extra[:6]) + (f", ... ({len(extra)} entries)"
+                                             if len(extra) > 6 else "")
+            raise ConfigError(
+                f"--run_dir: {self.path} is not empty (it holds {shown}) but has no {CONFIG}: "
+                f"it was not made by `ppgd-tpu train`, or its {CONFIG} was deleted. Use a new "
+                f"--run_dir (a new or empty directory), or restore {self.file(CONFIG)} to "
+                "resume that run")
 
     def create(self, cfg: Config, target_sha256: str) -> None:
-        """target.json, then config.yaml: the file whose presence makes the run exist."""
+        """target.json, then config.yaml: the file whose presence makes the run exist.
+        Takes the dir's lock first (a new dir is locked here, once the target is built):
+        refuses if another command holds it, or started the run since check_creatable."""
+        self.lock()
+        if storage.exists(self.file(CONFIG)):
+            raise ConfigError(
+                f"--run_dir: another command started a run in {self.path} while this one "
+                "built its target; re-run this command to resume that run, or use a new "
+                "--run_dir")
         storage.write_bytes(self.file(TARGET), json.dumps(
             {"sha256": target_sha256, "kind": cfg.target.kind, "path": cfg.target.path},
             indent=1).encode())

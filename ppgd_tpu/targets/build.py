@@ -6,6 +6,12 @@ and the second run reuses the first one's weights. Every target is validated bef
 decomposed; a bad one is refused with the reason. Weights are safetensors files whose
 tensor names are the target's state-dict names; a missing, extra or mis-shaped tensor is
 refused by name.
+
+The cache is only a cache: a cached file that cannot be used (damaged, cut short, edited)
+is trained again from its config and replaced, with a warning naming it; a cache that
+cannot be written ($PPGD_TPU_CACHE read-only, or a file) costs only the next run's
+pretraining: the trained target is used uncached, with a warning. Either way the run
+decomposes the weights its config defines, and a resume still checks them (target.json).
 """
 
 from __future__ import annotations
@@ -89,15 +95,16 @@ def save(target: Target, cfg: TargetConfig, path: str) -> None:
         tensors, metadata={"target": json.dumps(to_dict(cfg))}))
 
 
-def load(cfg: TargetConfig, path: str) -> Target:
-    """Loads weights named as the target's state dict; refuses missing/extra/mis-shaped."""
+def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
+    """Loads weights named as the target's state dict; refuses missing/extra/mis-shaped.
+    `what` names the file's origin in the refusal (the flag, or the toy target cache)."""
     mod, sub = _kind(cfg)
     if not storage.exists(path):
-        raise ConfigError(f"target.path: no such file {path!r}")
+        raise ConfigError(f"{what}: no such file {path!r}")
     try:
         sd = safetensors_numpy.load(storage.read_bytes(path))
     except Exception as e:  # safetensors raises several types for a damaged header
-        raise TargetError(f"target.path: {path} is not a readable safetensors file ({e})") from None
+        raise TargetError(f"{what}: {path} is not a readable safetensors file ({e})") from None
     template = jax.eval_shape(lambda: mod.state_dict(mod.init(sub, jax.random.key(0))))
     problems = [f"missing tensor {k!r} (expected shape {tuple(v.shape)})"
                 for k, v in template.items() if k not in sd]
@@ -105,7 +112,7 @@ def load(cfg: TargetConfig, path: str) -> Target:
     problems += [f"tensor {k!r} has shape {tuple(sd[k].shape)}, expected {tuple(v.shape)}"
                  for k, v in template.items() if k in sd and sd[k].shape != tuple(v.shape)]
     if problems:
-        raise TargetError(f"target.path: {path} does not match target.{cfg.kind}: "
+        raise TargetError(f"{what}: {path} does not match target.{cfg.kind}: "
                           + "; ".join(problems))
     return mod.from_state_dict(sub, {k: v.astype(np.float32) for k, v in sd.items()})
 
@@ -137,15 +144,42 @@ def build(cfg: TargetConfig) -> Target:
     elif hasattr(KINDS[cfg.kind], "NEEDS_PATH"):
         raise ConfigError(KINDS[cfg.kind].NEEDS_PATH)
     else:
-        path = cache_path(cfg)
-        if os.path.exists(path):
-            target = load(cfg, path)
-        else:
-            target = pretrain(cfg)
-            check(target, cfg)
-            save(target, cfg, path)
-            logging.info("cached the trained target at %s", path)
+        return _cached(cfg)  # validated there
     check(target, cfg)
+    return target
+
+
+def _cached(cfg: TargetConfig) -> Target:
+    """The toy target of `cfg` from the cache, or trained (and cached when the cache can be
+    written). A cached file that does not load or validate is trained again: the cache
+    holds a pure function of the config, so nothing is lost."""
+    path = cache_path(cfg)
+    if os.path.exists(path):
+        what = "the toy target cache"
+        try:
+            target = load(cfg, path, what=what)
+        except (TargetError, ConfigError) as e:
+            problem = str(e)
+        else:
+            try:
+                check(target, cfg)
+                return target
+            except TargetError as e:
+                problem = f"{what}: {path} holds weights that fail validation ({e})"
+        logging.warning("%s; training the target again from its config to replace it (a "
+                        "cache entry is a pure function of its config)", problem)
+    target = pretrain(cfg)
+    check(target, cfg)
+    try:
+        save(target, cfg, path)
+    except OSError as e:
+        logging.warning(
+            "cannot cache the trained target at %s (%s): the cache root %s (PPGD_TPU_CACHE, "
+            "default ~/.cache/ppgd_tpu) must be a directory this user can write. Using the "
+            "target uncached; the next run of this config trains it again.", path,
+            e.strerror or e, cache.root())
+    else:
+        logging.info("cached the trained target at %s", path)
     return target
 
 
