@@ -60,7 +60,30 @@ def enable_compile_cache(env=os.environ) -> str | None:
     if env.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return env.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir
     path = setting or os.path.join(root(env), "xla", machine_fingerprint())
+    drop_torn_entries(path)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path
+
+
+def drop_torn_entries(path: str) -> list[str]:
+    """Removes the entries a killed writer left: JAX writes `<key>-cache`, then `<key>-atime`,
+    and never rewrites an existing key, so a torn (empty, or atime-less) entry would fail to
+    load, with a warning, on every later run. Returns the removed names."""
+    try:
+        names = set(os.listdir(path))
+    except OSError:  # no cache yet, or not a directory (JAX then warns and compiles)
+        return []
+    torn = []
+    for name in sorted(names):
+        if not name.endswith("-cache"):
+            continue
+        full = os.path.join(path, name)
+        try:
+            if os.path.getsize(full) == 0 or name[:-len("cache")] + "atime" not in names:
+                os.remove(full)
+                torn.append(name)
+        except OSError:  # another process removed or replaced it: its business
+            pass
+    return torn

@@ -50,6 +50,19 @@ def test_second_run_loads_every_program_from_the_cache_with_the_same_results(tmp
     assert warm == cold  # nothing compiled the second time
     assert len(cold_losses) >= 2 and warm_losses == cold_losses
 
+    # A writer killed mid-entry leaves it empty and without its -atime file: the next run
+    # drops it and compiles that program again, instead of failing to load it every run.
+    torn = sorted(set(cold) - set(before))[0]
+    open(os.path.join(xla, torn), "wb").close()
+    os.remove(os.path.join(xla, torn[:-len("cache")] + "atime"))
+    run_dir = root / "after_a_torn_entry"
+    p = subprocess.run([sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
+                        *ARGS], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Error reading persistent compilation cache entry" not in p.stderr
+    assert os.path.getsize(os.path.join(xla, torn)) > 0  # written again, whole
+    assert _entries(xla) == cold and _losses(run_dir) == cold_losses
+
 
 _SETTINGS = """
 import json, jax
