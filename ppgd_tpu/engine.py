@@ -132,28 +132,28 @@ class Trainer:
 
 def train(cfg: Config, run_dir: str) -> dict:
     """Runs, resumes, or reports already complete the decomposition of `cfg` in `run_dir`."""
-    rd = RunDir(run_dir)
-    if rd.exists:
-        rd.check_compatible(cfg)
-        if rd.complete:
-            summary = rd.read_summary()
-            print(f"{run_dir}: already complete (summary.json exists); nothing to do.")
-            return summary
-    else:
-        rd.check_creatable()
-    trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
-    if rd.exists:
-        rd.check_target(cfg, trainer.target_sha256)
-    elif dist.is_main():
-        rd.create(cfg, trainer.target_sha256)
-    dist.barrier("run_dir_ready")
-    logging.info("%srun dir %s", dist.tag(), rd.path)
-    saver = checkpoint.Checkpointer(
-        rd.path, keep_last_n=cfg.checkpoint.keep_last_n,
-        keep_every=cfg.checkpoint.keep_every or None, config_hash=config_hash(cfg),
-        barrier=dist.barrier if jax.process_count() > 1 else None)
-    with dist.StopSignal() as stop, saver:
-        return _run(cfg, rd, trainer, saver, stop)
+    with RunDir(run_dir) as rd:  # its lock (local dirs) is held until the run returns
+        if rd.exists:
+            rd.check_compatible(cfg)
+            if rd.complete:
+                summary = rd.read_summary()
+                print(f"{run_dir}: already complete (summary.json exists); nothing to do.")
+                return summary
+        else:
+            rd.check_creatable()
+        trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
+        if rd.exists:
+            rd.check_target(cfg, trainer.target_sha256)
+        elif dist.is_main():
+            rd.create(cfg, trainer.target_sha256)
+        dist.barrier("run_dir_ready")
+        logging.info("%srun dir %s", dist.tag(), rd.path)
+        saver = checkpoint.Checkpointer(
+            rd.path, keep_last_n=cfg.checkpoint.keep_last_n,
+            keep_every=cfg.checkpoint.keep_every or None, config_hash=config_hash(cfg),
+            barrier=dist.barrier if jax.process_count() > 1 else None)
+        with dist.StopSignal() as stop, saver:
+            return _run(cfg, rd, trainer, saver, stop)
 
 
 def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
