@@ -173,14 +173,18 @@ def test_a_damaged_store_is_refused_at_open_naming_the_file(how, lm_setup, tmp_p
 @pytest.mark.parametrize("how", ["garbage meta.json", "shard cut short"])
 def test_train_refuses_a_damaged_store_with_status_2(how, lm_setup, tmp_path, capsys):
     store = _copy_store(lm_setup["store"], tmp_path / "store")
-    name = _damage(store, how)
-    run = tmp_path / "run"
+    _assert_train_refuses(store, _damage(store, how), lm_setup, tmp_path / "run", capsys)
+
+
+def _assert_train_refuses(store, name, lm_setup, run, capsys):
+    """`train` on the damaged `store` exits 2 naming data.store and the file, briefly,
+    before the run dir is made."""
     rc, _, err = _run(["train", f"--config={lm_setup['config']}",
                        f"--target.path={lm_setup['target']}", f"--data.store={store}",
                        f"--run_dir={run}"], capsys)
     assert rc == 2, err
     assert err.startswith("ppgd-tpu train: error: data.store: ")
-    assert os.path.join(store, name) in err and "tokenize" in err
+    assert os.path.join(store, name) in err and "tokenize" in err and len(err) < 1000
     assert not run.exists()
 
 
@@ -215,21 +219,14 @@ def test_a_store_from_before_the_recorded_sizes_is_still_checked(lm_setup, tmp_p
                                   TokenStore.open(lm_setup["store"]).read_rows(np.arange(5)))
 
     lost = legacy(tmp_path / "lost")
-    name = _damage(lost, "shard lost")
+    _damage(lost, "shard lost")
     with pytest.raises(IncompleteStoreError, match="is missing"):
         TokenStore.open(lost)
 
     cut = legacy(tmp_path / "cut")
     name = _damage(cut, "shard cut short")
     TokenStore.open(cut)  # nothing recorded to compare its size with
-    run = tmp_path / "run"
-    rc, _, err = _run(["train", f"--config={lm_setup['config']}",
-                       f"--target.path={lm_setup['target']}", f"--data.store={cut}",
-                       f"--run_dir={run}"], capsys)
-    assert rc == 2, err
-    assert err.startswith("ppgd-tpu train: error: data.store: ")
-    assert os.path.join(cut, name) in err and "tokenize" in err and len(err) < 1000
-    assert not run.exists()
+    _assert_train_refuses(cut, name, lm_setup, tmp_path / "run", capsys)
 
 
 # ---------------------------------------------------------------- 4. the pretrain log
