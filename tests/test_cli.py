@@ -276,8 +276,10 @@ def test_ctrl_c_before_the_loop_exits_130_without_a_traceback(tmp_path):
     cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
            "--target.tms.train_steps=200000", "--log.progress=false"]
     env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache")}
+    # SIGINT as a terminal sends it: a shell's background job (CI run with `&`) starts its
+    # children with SIGINT ignored, and Python then leaves it ignored
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                         env=env)
+                         env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err = []
     try:
         for line in p.stderr:  # the mesh is made just before the target is built
