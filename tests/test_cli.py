@@ -277,9 +277,14 @@ def test_ctrl_c_before_the_loop_exits_130_without_a_traceback(tmp_path):
            "--target.tms.train_steps=200000", "--log.progress=false"]
     env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache")}
     # SIGINT as a terminal sends it: a shell's background job (CI run with `&`) starts its
-    # children with SIGINT ignored, and Python then leaves it ignored
-    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                         env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # children with SIGINT ignored, and Python then leaves it ignored; a signal the parent
+    # handles is reset to the default in the child
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                             env=env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = []
     try:
         for line in p.stderr:  # the mesh is made just before the target is built
