@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import time
-import weakref
 
 import yaml
 from absl import logging
@@ -45,20 +44,6 @@ def default_run_dir(cfg: Config) -> str:
     return os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-class _Lock:
-    """An open, flock'ed RUN_DIR/.lock: released when the last RunDir holding it is gone
-    (or the process ends: the kernel drops flocks with their process)."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-        weakref.finalize(self, os.close, fd)
-
-
-# One lock per run dir per process: a second RunDir on the same dir in this process (the
-# Python API training the same dir again) shares it instead of refusing itself.
-_HELD: weakref.WeakValueDictionary[str, _Lock] = weakref.WeakValueDictionary()
-
-
 def _holder(fd: int) -> str:
     try:
         text = os.pread(fd, 200, 0).decode(errors="replace").strip()
@@ -67,8 +52,9 @@ def _holder(fd: int) -> str:
     return text or "its pid not yet recorded"
 
 
-def _acquire(path: str) -> _Lock | None:
-    """Takes `path`/.lock (exclusive, non-blocking); None on a filesystem without locks."""
+def _acquire(path: str) -> int | None:
+    """Takes `path`/.lock (exclusive, non-blocking) -> its open fd (closing it releases the
+    lock); None on a filesystem without locks."""
     lock_file = os.path.join(path, LOCK)
     try:
         os.makedirs(path, exist_ok=True)
@@ -95,7 +81,7 @@ def _acquire(path: str) -> _Lock | None:
     if _holder(fd) != me:  # the same process taking it again changes nothing
         os.ftruncate(fd, 0)
         os.pwrite(fd, me.encode() + b"\n", 0)
-    return _Lock(fd)
+    return fd
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -129,7 +115,7 @@ class RunDir:
             self.path = storage.normalize(path)
         except ValueError as e:
             raise ConfigError(f"--run_dir: {e}") from None
-        self._lock: _Lock | None = None
+        self._lock_fd: int | None = None
 
     def file(self, name: str) -> str:
         return storage.join(self.path, name)
@@ -175,22 +161,15 @@ class RunDir:
 
     def lock(self) -> None:
         """Holds RUN_DIR/.lock for this process (main process only; nothing for gs://) until
-        release() or this RunDir is gone; refuses (ConfigError) while another live command
-        holds it, naming its pid and host. The kernel drops the lock when its process dies."""
-        if self._lock is not None or storage.is_gcs(self.path) or not dist.is_main():
-            return
-        held = _HELD.get(self.path)
-        if held is None:
-            held = _acquire(self.path)
-            if held is None:  # no locks on this filesystem: warned
-                return
-            _HELD[self.path] = held
-        self._lock = held
+        release(); refuses (ConfigError) while another live command holds it, naming its pid
+        and host. The kernel drops the lock when its process dies."""
+        if self._lock_fd is None and not storage.is_gcs(self.path) and dist.is_main():
+            self._lock_fd = _acquire(self.path)
 
     def release(self) -> None:
-        """Drops this RunDir's hold on the lock (released once no RunDir of this process on
-        the same dir holds it)."""
-        self._lock = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> RunDir:
         return self
