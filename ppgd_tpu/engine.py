@@ -144,7 +144,7 @@ def train(cfg: Config, run_dir: str) -> dict:
         trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
         if rd.exists:
             rd.check_target(cfg, trainer.target_sha256)
-        elif dist.is_main():
+        else:
             rd.create(cfg, trainer.target_sha256)
         dist.barrier("run_dir_ready")
         logging.info("%srun dir %s", dist.tag(), rd.path)

@@ -107,6 +107,14 @@ def _unwritable(path: str) -> str | None:
     return None
 
 
+def _refuse_together(problem: str | None) -> None:
+    """Raises ConfigError in every process if any process saw a `problem`, so all exit 2
+    together rather than some waiting at a barrier for one that left."""
+    for index, p in enumerate(dist.gather_from_all(problem)):
+        if p:
+            raise ConfigError(p + (f" (seen by process {index})" if index else ""))
+
+
 class RunDir:
     """A run directory on local disk or gs://bucket/path (ppgd_tpu.storage)."""
 
@@ -207,10 +215,7 @@ class RunDir:
                 self.lock()
             except ConfigError as e:
                 problem = str(e)
-        problems = dist.gather_from_all(problem)
-        for index, p in enumerate(problems):
-            if p:
-                raise ConfigError(p + (f" (seen by process {index})" if index else ""))
+        _refuse_together(problem)
 
     def check_creatable(self) -> None:
         """A new run may start here: the dir can be created and written (local), and it is
@@ -234,8 +239,19 @@ class RunDir:
 
     def create(self, cfg: Config, target_sha256: str) -> None:
         """target.json, then config.yaml: the file whose presence makes the run exist.
-        Takes the dir's lock first (a new dir is locked here, once the target is built):
-        refuses if another command holds it, or started the run since check_creatable."""
+        Every process calls it; the main one writes. Takes the dir's lock first (a new dir
+        is locked here, once the target is built): refuses if another command holds it, or
+        started the run since check_creatable, and then every process refuses with it (none
+        is left waiting for the main one at the next barrier)."""
+        problem = None
+        if dist.is_main():
+            try:
+                self._create(cfg, target_sha256)
+            except ConfigError as e:
+                problem = str(e)
+        _refuse_together(problem)
+
+    def _create(self, cfg: Config, target_sha256: str) -> None:
         self.lock()
         if storage.exists(self.file(CONFIG)):
             raise ConfigError(

@@ -311,3 +311,31 @@ def test_F_a_second_command_on_a_run_dir_in_use_is_refused_and_a_killed_holder_l
     rd = RunDir(str(run))
     rd.lock()  # no stale lock: taken at once
     rd.release()
+
+
+def test_F_a_new_run_refused_by_the_lock_exits_2_in_every_process(tmp_path):
+    """Two processes (no launcher to kill the rest) start a new run in a dir whose lock
+    another command holds: process 0 is refused when it creates the dir's files, and
+    process 1 must exit 2 with it, not wait at the next barrier for a process that left."""
+    from ppgd_tpu.launch_local import child_env, free_port
+
+    run = tmp_path / "held"
+    holder = RunDir(str(run))
+    holder.lock()  # this pytest process is "another command"
+    port = free_port()
+    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run}", *ARGS]
+    procs = [subprocess.Popen(cmd, env=child_env(i, 2, 1, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]  # the barrier waits 300 s
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        holder.release()
+    want = f"--run_dir: {run} is in use by another ppgd-tpu command (pid {os.getpid()} on host"
+    for index, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 2, f"process {index}:\n{out[-3000:]}"
+        assert want in out and "Traceback" not in out, f"process {index}:\n{out[-3000:]}"
+    assert sorted(os.listdir(run)) == [".lock"]  # nothing of the refused run was written
