@@ -146,6 +146,7 @@ def train(cfg: Config, run_dir: str) -> dict:
             rd.check_target(cfg, trainer.target_sha256)
         else:
             rd.create(cfg, trainer.target_sha256)
+        rd.drop_torn_writes()
         dist.barrier("run_dir_ready")
         logging.info("%srun dir %s", dist.tag(), rd.path)
         saver = checkpoint.Checkpointer(
@@ -160,6 +161,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     steps, k = cfg.decomp.steps, cfg.data.train_batch_replay
     replay = trainer.replay
     start = checkpoint.latest_step(rd.path)
+    window = []  # metrics of the steps since the last log (for their statistics)
     if start is None:  # a fresh run: init, then the faithfulness warmup [S21]
         start, state = 0, trainer.init_state()
         if stop.should_stop(-1):
@@ -172,21 +174,21 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
         if start % k:
             resume.restore_window(replay, trainer.dec, state, trainer.target,
                                   trainer.batch(start // k), restored.arrays)
+        window = list(restored.manifest.meta.get("log_window", []))
         logging.info("%sresumed from the checkpoint at step %d", dist.tag(), start)
     if start >= steps:
         return _finish(cfg, rd, trainer, state)
 
     writer = metrics_lib.MetricsWriter(rd.path, enabled=dist.is_main(),
-                                       tensorboard=cfg.log.tensorboard)
-    writer.truncate_after(start)
+                                       tensorboard=cfg.log.tensorboard, resume_step=start)
     progress = metrics_lib.Progress(steps, start, cfg.log.progress and dist.is_main())
     t_last, s_last = time.perf_counter(), start
 
     def save(step, state):
         writer.flush()  # on gs:// every metrics line up to a committed step is stored first
-        saver.save(step, resume.checkpoint_leaves(state, replay))
+        saver.save(step, resume.checkpoint_leaves(state, replay),
+                   meta={"log_window": metrics_lib.window_carry(window)})
 
-    window = []  # device metrics of the steps since the last log (window statistics)
     in_flight = collections.deque()
     try:
         for s in range(start, steps):

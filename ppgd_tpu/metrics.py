@@ -25,10 +25,15 @@ def to_host(metrics: dict) -> dict:
             for k, v in fetched.items()}
 
 
-def window_stats(window: list[dict], prefix: str = "train/grad_norms/summary/") -> dict:
-    """min/median/max over the steps since the last log of each `prefix` key; keys missing
-    on some steps (e.g. CI grad norms on replayed steps) use the steps that have them."""
-    keys = sorted({k for m in window for k in m if k.startswith(prefix)})
+TENSORBOARD = "tb"  # RUN_DIR/tb: the event files
+WINDOW_PREFIX = "train/grad_norms/summary/"  # the keys of the log window's statistics
+
+
+def window_stats(window: list[dict]) -> dict:
+    """min/median/max over the steps since the last log of each WINDOW_PREFIX key; keys
+    missing on some steps (e.g. CI grad norms on replayed steps) use the steps that have
+    them."""
+    keys = sorted({k for m in window for k in m if k.startswith(WINDOW_PREFIX)})
     out = {}
     for k in keys:
         vals = np.array([m[k] for m in window if k in m], dtype=np.float64)
@@ -38,12 +43,43 @@ def window_stats(window: list[dict], prefix: str = "train/grad_norms/summary/") 
     return out
 
 
+def window_carry(window: list[dict]) -> list[dict]:
+    """What a checkpoint between log steps keeps of the log window (host values of its
+    WINDOW_PREFIX keys), so the first log line after a resume has the uninterrupted run's
+    statistics. One device fetch; a save syncs with the device anyway."""
+    return [{k: v for k, v in to_host(m).items() if k.startswith(WINDOW_PREFIX)}
+            for m in jax.device_get(window)]
+
+
 def _record(line: str) -> dict | None:
     try:
         record = json.loads(line) if line.endswith("\n") else None
     except ValueError:
         return None
-    return record if isinstance(record, dict) and "step" in record else None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def records(path: str, data: bytes) -> list[tuple[str, dict]]:
+    """(line, record) for each line of metrics.jsonl's bytes `data`. The last line may be
+    torn (a process killed mid-append) and is then dropped; any other line that is not one
+    JSON object with an integer `step` was damaged or edited by hand: ValueError naming
+    `path`, the line and the way out (nothing is dropped silently)."""
+    lines = data.splitlines(keepends=True)
+    out = []
+    for number, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode()
+        except UnicodeDecodeError:
+            line = ""
+        record = _record(line)
+        if record is not None:
+            out.append((line, record))
+        elif number < len(lines):
+            raise ValueError(
+                f"{path}: line {number} is not a metrics record ({raw[:80]!r}); this package "
+                "writes one JSON object with a `step` per line. Restore the file, or delete "
+                "that line (or the file: it only holds what was logged) to resume")
+    return out
 
 
 class MetricsWriter:
@@ -53,23 +89,26 @@ class MetricsWriter:
     the lines are kept here and the whole (small) file is rewritten at most every `flush_s`
     seconds and on close."""
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, flush_s: float = 30.0):
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool,
+                 resume_step: int | None = None, flush_s: float = 30.0):
+        """With `resume_step`, what was logged after it is dropped (the resumed run logs
+        those steps again): metrics.jsonl's lines now, TensorBoard's events by a purge from
+        `resume_step + 1` (a SessionLog START, which TensorBoard honours when it reads)."""
         self.enabled = enabled
         self.path = storage.join(run_dir, "metrics.jsonl")
         self.remote = storage.is_gcs(run_dir)
         self.flush_s, self.flushed_at = flush_s, time.monotonic()
         self.lines: list[str] = []
         if enabled and self.remote and storage.exists(self.path):
-            self.lines = storage.read_bytes(self.path).decode().splitlines(keepends=True)
+            self.lines = [ln for ln, _ in records(self.path, storage.read_bytes(self.path))]
+        if resume_step is not None:
+            self._keep(lambda record: record["step"] <= resume_step)
         self.tb = None
         if enabled and tensorboard and not self.remote:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
-
-    def truncate_after(self, step: int) -> None:
-        """Drops lines with step > `step` (a resumed run rewrites what it redoes)."""
-        self._keep(lambda record: record["step"] <= step)
+            self.tb = SummaryWriter(os.path.join(run_dir, TENSORBOARD), purge_step=(
+                None if resume_step is None else resume_step + 1))
 
     def write_final(self, step: int, values: dict) -> None:
         """The final evaluation's line, once: a finish interrupted after writing it (before
@@ -78,16 +117,15 @@ class MetricsWriter:
         self.write(step, values)
 
     def _keep(self, keep) -> None:
-        """Rewrites the file with the records `keep` accepts. A line that is not one whole
-        JSON record (the torn last line of a killed process) is dropped."""
+        """Rewrites the file with the records `keep` accepts, without a torn last line."""
         if not self.enabled:
             return
         if not self.remote:
             if not os.path.exists(self.path):
                 return
-            with open(self.path) as fh:
-                self.lines = fh.readlines()
-        self.lines = [ln for ln in self.lines if (record := _record(ln)) and keep(record)]
+            with open(self.path, "rb") as fh:
+                self.lines = [ln for ln, _ in records(self.path, fh.read())]
+        self.lines = [ln for ln in self.lines if keep(_record(ln))]
         storage.write_bytes(self.path, "".join(self.lines).encode())
         if not self.remote:
             self.lines = []

@@ -25,6 +25,8 @@ from absl import logging
 
 from ppgd_tpu import config as config_lib
 from ppgd_tpu import dist, storage
+from ppgd_tpu import metrics as metrics_lib
+from ppgd_tpu.checkpoint import manifest
 from ppgd_tpu.config import Config, ConfigError
 
 CONFIG = "config.yaml"
@@ -215,7 +217,29 @@ class RunDir:
                 self.lock()
             except ConfigError as e:
                 problem = str(e)
+        if problem is None and dist.is_main():
+            problem = self._damaged()
         _refuse_together(problem)
+
+    def _damaged(self) -> str | None:
+        """Why the files a resumed run appends to could not be used: a metrics.jsonl
+        damaged before its last line, or a file where the run keeps a directory."""
+        for where in (self.file(metrics_lib.TENSORBOARD), self.file(FIGURES),
+                      manifest.ckpts_dir(self.path)):
+            if not storage.is_gcs(self.path) and os.path.isfile(where):
+                return (f"--run_dir: {where} is a file; the run keeps a directory there: "
+                        "move the file away to resume")
+        try:
+            data = storage.read_bytes(self.file(METRICS))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return f"--run_dir: cannot read {self.file(METRICS)} ({e}); it must be a file"
+        try:
+            metrics_lib.records(self.file(METRICS), data)
+        except ValueError as e:
+            return f"--run_dir: {e}"
+        return None
 
     def check_creatable(self) -> None:
         """A new run may start here: the dir can be created and written (local), and it is
@@ -262,6 +286,18 @@ class RunDir:
             {"sha256": target_sha256, "kind": cfg.target.kind, "path": cfg.target.path},
             indent=1).encode())
         storage.write_bytes(self.file(CONFIG), config_lib.dump_yaml(cfg).encode())
+
+    def drop_torn_writes(self) -> None:
+        """Deletes what atomic writes killed mid-way left (`<name>.tmp-<hex>`, never read:
+        only the rename makes a file whole) in the dir and figures/. Main process, under the
+        lock; gs:// uploads leave none."""
+        if storage.is_gcs(self.path) or not dist.is_main():
+            return
+        for where in (self.path, self.file(FIGURES)):
+            for name in storage.list_entries(where):
+                if _TEMP_MARK in name and not name.endswith("/"):
+                    logging.info("removing %s, left by a write that was killed", name)
+                    storage.remove(storage.join(where, name))
 
     def check_target(self, cfg: Config, target_sha256: str) -> None:
         """[C1] a resumed run rebuilds its frozen target: refuses other weights than the ones

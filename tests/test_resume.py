@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -52,6 +53,72 @@ def test_C3_W6_resume_at_every_step_is_bitwise_the_straight_run(tmp_path, mode):
         assert _final_digest(resumed) == want, f"mode {mode}: resume at K={K} diverged"
         again = [json.loads(ln) for ln in open(resumed / "metrics.jsonl")]
         assert [r["step"] for r in again] == [r["step"] for r in metrics]  # no duplicates
+        shutil.rmtree(resumed)
+
+
+def _tensorboard_series(tb_dir) -> dict[tuple[str, int], float]:
+    """{(tag, step): value} as TensorBoard shows it: event files in name order, and a
+    SessionLog START at step s (a resumed writer's purge) hides every earlier event with a
+    step >= s. Records: u64 length, u32 crc, the Event, u32 crc (CRCs not checked)."""
+    from tensorboardX.proto import event_pb2
+
+    seen: dict[tuple[str, int], float] = {}
+    for name in sorted(os.listdir(tb_dir)):
+        data = (tb_dir / name).read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == \
+                    event_pb2.SessionLog.START:
+                seen = {key: v for key, v in seen.items() if key[1] < event.step}
+            for value in event.summary.value:
+                key = (value.tag, event.step)
+                assert key not in seen, f"{key} shown twice"
+                seen[key] = value.simple_value
+    return seen
+
+
+def _no_perf(series: dict) -> dict:
+    return {key: v for key, v in series.items() if not key[0].startswith("train/perf/")}
+
+
+def test_C3_a_resumed_run_logs_what_the_straight_run_logged(tmp_path):
+    """After a resume between log steps (the checkpoint at K; the killed command had logged
+    past it), metrics.jsonl and TensorBoard show the straight run's values: lines and events
+    after K are replaced, not duplicated, and the first log line's window statistics (the
+    grad norms' min/median/max since the last log) cover the steps before the stop too,
+    carried by the checkpoint. Temp files of writes the kill cut short are removed."""
+    log_every = 4
+    extra = [f"--log.every={log_every}", "--log.tensorboard=true", "--checkpoint.every=1",
+             f"--checkpoint.keep_last_n={N + 1}"]
+    straight = tmp_path / "straight"
+    assert cli.run(_args(straight, "first", extra)) == 0
+    want = [json.loads(ln) for ln in open(straight / "metrics.jsonl")]
+    assert any(k.endswith("/max") for k in want[0])
+    shown = _tensorboard_series(straight / "tb")
+    logged = {(k, r["step"]): v for r in want[:-1] for k, v in r.items()
+              if k != "step" and not k.startswith("train/perf/")}  # the last: final eval
+    assert {key: shown[key] for key in logged} == pytest.approx(logged, rel=1e-6)
+    for K in (2, log_every, 6):
+        resumed = tmp_path / f"resumed_{K}"
+        shutil.copytree(straight, resumed)
+        os.remove(resumed / "summary.json")
+        for d in os.listdir(resumed / "ckpts"):
+            if int(d) > K:
+                shutil.rmtree(resumed / "ckpts" / d)
+        torn = [resumed / "metrics.jsonl.tmp-0123abcd", resumed / "figures.tmp-89ab"]
+        for path in torn:
+            path.write_bytes(b"cut short")
+        assert cli.run(_args(resumed, "first", extra)) == 0
+        assert not any(path.exists() for path in torn)
+        again = [json.loads(ln) for ln in open(resumed / "metrics.jsonl")]
+        assert [r["step"] for r in again] == [r["step"] for r in want]
+        for old, new in zip(want, again):
+            old = {k: v for k, v in old.items() if not k.startswith("train/perf/")}
+            assert {k: new[k] for k in old} == old, f"K={K}, step {old['step']}"
+        assert _no_perf(_tensorboard_series(resumed / "tb")) == _no_perf(shown), f"K={K}"
         shutil.rmtree(resumed)
 
 

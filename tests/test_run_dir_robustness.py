@@ -194,6 +194,52 @@ def test_C_an_unwritable_cache_warns_and_the_run_uses_the_trained_target(tmp_pat
     assert json.loads((tmp_path / "r" / "target.json").read_text())["sha256"] == want
 
 
+# --------------------------------------------------- G: damaged files a resumed run appends to
+
+
+@pytest.mark.parametrize("damage", ["not utf-8", "cut mid-line", "no step", "not an object"])
+def test_G_a_metrics_jsonl_damaged_before_its_last_line_is_refused_naming_the_line(
+        run, empty_cache, capsys, damage):
+    """Only a kill's torn LAST line is dropped on resume; a damaged line before it was
+    edited or corrupted, and dropping it silently would lose a record: exit 2 naming the
+    file and the line, before the target is built, nothing touched. Deleting the line, as
+    the message says, resumes."""
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_bytes().splitlines(keepends=True)
+    bad = {"not utf-8": b'{"step": 3, "note": "\xff\xfe"}\n', "cut mid-line": b'{"step": 3, "tr\n',
+           "no step": b'{"train/loss/total": 1.0}\n', "not an object": b"[3]\n"}[damage]
+    metrics.write_bytes(b"".join([lines[0], bad, *lines[1:]]))
+    before = _snapshot(run)
+    rc = _train(run)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"--run_dir: {metrics}: line 2 is not a metrics record" in err, err
+    assert "delete that line" in err and "Traceback" not in err
+    assert _snapshot(run) == before and not empty_cache.exists()
+    metrics.write_bytes(b"".join(lines))
+    assert _train(run) == 0 and (run / "summary.json").exists()
+
+
+@pytest.mark.parametrize("name", ["tb", "figures", "ckpts"])
+def test_G_a_file_where_the_run_keeps_a_directory_is_refused_naming_it(run, empty_cache,
+                                                                         capsys, name):
+    path = run / name
+    if path.is_dir():
+        shutil.move(path, run.parent / f"{name}.saved")
+    path.write_text("not a directory")
+    before = _snapshot(run)
+    rc = _train(run, "--log.tensorboard=true", "--eval.figures=true")
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"--run_dir: {path} is a file; the run keeps a directory there" in err, err
+    assert _snapshot(run) == before and not empty_cache.exists()
+    path.unlink()
+    if (run.parent / f"{name}.saved").exists():
+        shutil.move(run.parent / f"{name}.saved", path)
+    assert _train(run, "--log.tensorboard=true", "--eval.figures=true") == 0
+    assert (run / "summary.json").exists() and (run / "tb").is_dir()
+
+
 # ------------------------------------------------------------------- D: unwritable run dir
 
 
