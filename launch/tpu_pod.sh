@@ -319,8 +319,11 @@ train_command() {
   local envs=("PPGD_COORDINATOR_PORT=$PORT" ${EXTRA_ENV[@]+"${EXTRA_ENV[@]}"}) args=(ppgd-tpu train)
   [[ -z $RUN_DIR ]] || args+=(--run_dir "$RUN_DIR")
   args+=(${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"})
+  # `tee -p`: when the launcher's ssh session ends (Ctrl-C, a dropped network), tee goes on
+  # writing train.log instead of dying of SIGPIPE, which would take training down with it at
+  # its next console write (a BrokenPipeError, no checkpoint); training is ended by `stop`.
   # shellcheck disable=SC2016
-  printf 'set -o pipefail; mkdir -p "%s" && export PATH="$HOME/.local/bin:$PATH" && env %s %s 2>&1 | tee "%s/train.log"' \
+  printf 'set -o pipefail; mkdir -p "%s" && export PATH="$HOME/.local/bin:$PATH" && env %s %s 2>&1 | tee -p "%s/train.log"' \
     "$REMOTE_DIR" "$(shquote "${envs[@]}")" "$(shquote "${args[@]}")" "$REMOTE_DIR"
 }
 

@@ -161,7 +161,7 @@ def test_run_issues_exact_commands_on_every_worker_and_passes_args_unchanged(tmp
         "env PPGD_COORDINATOR_PORT=9476 'LIBTPU_INIT_ARGS=--xla_tpu_a=1 --xla_tpu_b=2' "
         "ppgd-tpu train --run_dir gs://bkt/runs/r1 --config=configs/tms_5_2.yaml --decomp.steps=2000 "
         "--loss.imp_min.coeff=3e-3 '--run_name=two words = one'\\''s flag' '' '--tags=$HOME;`x`' "
-        '2>&1 | tee "$HOME/ppgd_tpu/train.log"')
+        '2>&1 | tee -p "$HOME/ppgd_tpu/train.log"')
     describe = ["compute", "tpus", "tpu-vm", "describe", "pod", *SCOPE,
                 "--format=value(state,networkEndpoints[].ipAddress)"]
     assert r.calls[0] == describe
@@ -187,6 +187,39 @@ def test_run_issues_exact_commands_on_every_worker_and_passes_args_unchanged(tmp
         assert line in (r.state / f"gcs/bkt/runs/r1/launch_logs/{stamp}/worker-{w}.log").read_text()
         assert line in (r.state / f"worker-{w}/home/ppgd_tpu/train.log").read_text()
     assert (r.state / f"gcs/bkt/runs/r1/launch_logs/{stamp}/exit_status").read_text() == "rc=0 failed_worker=none\n"
+
+
+def test_training_outlives_the_launchers_ssh_session(tmp_path):
+    """Ending `run` locally ends only its ssh sessions; training on the pod goes on until
+    `stop` (README). Without a pty, sshd signals nothing when the session ends: the remote
+    command's console is simply gone. Here `run`'s remote command, exactly as issued, runs
+    under bash with a real `ppgd-tpu train` and its console (a pipe) is closed mid-run:
+    the run still finishes, and the worker's train.log holds all of its output."""
+    run_dir = tmp_path / "run"
+    r = Launch(tmp_path, ["run", *BASE, "--", f"--run_dir={run_dir}", "--decomp.steps=3000",
+                          "--log.every=50", "--log.progress=true", "--eval.figures=false"])
+    assert r.rc == 0, r.err
+    command = r.ssh(0)[-1]
+    home = tmp_path / "worker-home"
+    (home / ".local" / "bin").mkdir(parents=True)
+    shim = home / ".local" / "bin" / "ppgd-tpu"  # the installed console script
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ppgd_tpu.cli "$@"\n')
+    shim.chmod(0o755)
+    env = {**os.environ, "HOME": str(home), "JAX_PLATFORMS": "cpu"}
+    worker = subprocess.Popen(["bash", "-c", command], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    try:
+        worker.stdout.readline()  # the first console line: the command is running
+        worker.stdout.close()  # the ssh session ends
+        rc = worker.wait(timeout=600)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    log = (home / "ppgd_tpu" / "train.log").read_text()
+    assert rc == 0, log[-3000:]
+    assert (run_dir / "summary.json").exists(), log[-3000:]
+    assert "3000/3000" in log and "eval/recon/zero" in log  # the bar's end, the final table
 
 
 def test_run_fails_fast_names_the_worker_and_stops_the_others(tmp_path):
