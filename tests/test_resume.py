@@ -27,6 +27,17 @@ def _args(run_dir, mode, extra=()):
             f"--data.train_batch_replay={k}", f"--data.replay_ci_update={mode}", *TINY, *extra]
 
 
+def _stopped_at(straight, K, copy):
+    """A copy of the finished run `straight` as a stop after its step-K checkpoint leaves
+    it: no summary, no checkpoint after K (but every file it wrote past K)."""
+    shutil.copytree(straight, copy)
+    os.remove(copy / "summary.json")
+    for d in os.listdir(copy / "ckpts"):
+        if int(d) > K:
+            shutil.rmtree(copy / "ckpts" / d)
+    return copy
+
+
 def _final_digest(run_dir):
     return checkpoint.digest(str(run_dir), N).overall
 
@@ -41,12 +52,7 @@ def test_C3_W6_resume_at_every_step_is_bitwise_the_straight_run(tmp_path, mode):
     metrics = [json.loads(ln) for ln in open(straight / "metrics.jsonl")]
     # every window position t = 1, 2, 3, 0, and N: the finish killed before summary.json
     for K in [*range(1, K_REPLAY + 1), N]:
-        resumed = tmp_path / f"resumed_{K}"
-        shutil.copytree(straight, resumed)
-        os.remove(resumed / "summary.json")
-        for d in os.listdir(resumed / "ckpts"):
-            if int(d) > K:
-                shutil.rmtree(resumed / "ckpts" / d)
+        resumed = _stopped_at(straight, K, tmp_path / f"resumed_{K}")
         with open(resumed / "metrics.jsonl", "a") as fh:
             fh.write('{"step": 3, "train/loss/to')  # a write torn by the kill
         assert cli.run(_args(resumed, mode, ["--checkpoint.every=1"])) == 0
@@ -102,12 +108,7 @@ def test_C3_a_resumed_run_logs_what_the_straight_run_logged(tmp_path):
               if k != "step" and not k.startswith("train/perf/")}  # the last: final eval
     assert {key: shown[key] for key in logged} == pytest.approx(logged, rel=1e-6)
     for K in (2, log_every, 6):
-        resumed = tmp_path / f"resumed_{K}"
-        shutil.copytree(straight, resumed)
-        os.remove(resumed / "summary.json")
-        for d in os.listdir(resumed / "ckpts"):
-            if int(d) > K:
-                shutil.rmtree(resumed / "ckpts" / d)
+        resumed = _stopped_at(straight, K, tmp_path / f"resumed_{K}")
         torn = [resumed / "metrics.jsonl.tmp-0123abcd", resumed / "figures.tmp-89ab"]
         for path in torn:
             path.write_bytes(b"cut short")
