@@ -20,8 +20,14 @@ readonly PROG REPO_ROOT
 # the per-user directory for the train log and the package.
 # shellcheck disable=SC2016
 readonly REMOTE_DIR='$HOME/ppgd_tpu'
-# The bracket keeps pkill/pgrep from matching the shell that runs the pattern itself.
-readonly TRAIN_PATTERN='[p]pgd-tpu train'
+# Matches the python process of the installed console script (`.../bin/python3
+# .../bin/ppgd-tpu train ...`), not the remote shell that started it (`... env ... ppgd-tpu
+# train ...`): that shell killed, ssh would end with 255, and gcloud answers 255 by running
+# the command again (10 tries). The bracket keeps pkill/pgrep from matching the shell that
+# runs the pattern itself.
+readonly TRAIN_PATTERN='[/]ppgd-tpu train'
+# Exit code of a re-run train command whose training ended without recording its own.
+readonly LOST_RC=75
 readonly LIBTPU_LOCKFILE=/tmp/libtpu_lockfile
 readonly PREFLIGHT_OK=ppgd-preflight-ok
 readonly SUBCOMMANDS="create setup run status logs stop delete watch"
@@ -310,21 +316,29 @@ kill_command() {
     "$TRAIN_PATTERN" "$KILL_GRACE_S" "$TRAIN_PATTERN" "$TRAIN_PATTERN"
 }
 
-preflight_command() {
-  printf '%s; sudo lsof -t -w /dev/accel* /dev/vfio/* 2>/dev/null | xargs -r sudo kill -9; sudo rm -f %s; echo %s' \
-    "$(kill_command)" "$LIBTPU_LOCKFILE" "$PREFLIGHT_OK"
+preflight_command() {  # ... and forgets the attempts of stopped trainings (train_command)
+  printf '%s; sudo lsof -t -w /dev/accel* /dev/vfio/* 2>/dev/null | xargs -r sudo kill -9; sudo rm -f %s; rm -f "%s"/attempt-*; echo %s' \
+    "$(kill_command)" "$LIBTPU_LOCKFILE" "$REMOTE_DIR" "$PREFLIGHT_OK"
 }
 
+# train_command ATTEMPT: ATTEMPT names this launch. gcloud re-runs a command whose ssh ended
+# with 255 (a dropped connection) while the first run of it goes on: the re-run finds
+# attempt-ATTEMPT.pid and follows that training's log to its end and exit code instead of
+# starting a second training on the worker.
 train_command() {
   local envs=("PPGD_COORDINATOR_PORT=$PORT" ${EXTRA_ENV[@]+"${EXTRA_ENV[@]}"}) args=(ppgd-tpu train)
   [[ -z $RUN_DIR ]] || args+=(--run_dir "$RUN_DIR")
   args+=(${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"})
+  local attach
+  # shellcheck disable=SC2016
+  attach=$(printf 'if [ -e "$a.pid" ]; then echo "%s: attaching to the training this command started"; tail -n +1 -f --pid="$(cat "$a.pid")" "$d/train.log"; exit "$(cat "$a.rc" 2>/dev/null || echo %d)"; fi' \
+    "$PROG" "$LOST_RC")
   # `tee -p`: when the launcher's ssh session ends (Ctrl-C, a dropped network), tee goes on
   # writing train.log instead of dying of SIGPIPE, which would take training down with it at
   # its next console write (a BrokenPipeError, no checkpoint); training is ended by `stop`.
   # shellcheck disable=SC2016
-  printf 'set -o pipefail; mkdir -p "%s" && export PATH="$HOME/.local/bin:$PATH" && env %s %s 2>&1 | tee -p "%s/train.log"' \
-    "$REMOTE_DIR" "$(shquote "${envs[@]}")" "$(shquote "${args[@]}")" "$REMOTE_DIR"
+  printf 'set -o pipefail; d="%s"; a="$d/attempt-%s"; mkdir -p "$d" || exit; export PATH="$HOME/.local/bin:$PATH"; %s; echo $$ >"$a.pid"; env %s %s 2>&1 | tee -p "$d/train.log"; rc=$?; echo "$rc" >"$a.rc"; exit "$rc"' \
+    "$REMOTE_DIR" "${1//\//_}" "$attach" "$(shquote "${envs[@]}")" "$(shquote "${args[@]}")"
 }
 
 # Kills local ssh processes still running (their remote side is stopped separately).
@@ -529,7 +543,7 @@ run_attempt() {  # run_attempt DIR REL
       "(logs: $dir/preflight); refusing to start on a subset of workers"
   fi
   note "starting ppgd-tpu train on all $POD_WORKERS workers; logs in $dir"
-  on_all_workers "$dir" "$POD_WORKERS" "$(train_command)" failfast || rc=$?
+  on_all_workers "$dir" "$POD_WORKERS" "$(train_command "$2")" failfast || rc=$?
   upload_logs "$dir" "$2"
   ((DRY_RUN || rc != 0)) || note "all $POD_WORKERS workers finished"
   return "$rc"

@@ -11,6 +11,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,23 +153,26 @@ def test_run_issues_exact_commands_on_every_worker_and_passes_args_unchanged(tmp
                           "--env", env_flag, "--", *TRAIN_ARGS])
     assert r.rc == 0, r.err
     preflight = (
-        "sudo pkill -TERM -f '[p]pgd-tpu train'; for _ in $(seq 60); do pgrep -f '[p]pgd-tpu train'"
-        " >/dev/null || break; sleep 1; done; sudo pkill -KILL -f '[p]pgd-tpu train'; true;"
+        "sudo pkill -TERM -f '[/]ppgd-tpu train'; for _ in $(seq 60); do pgrep -f '[/]ppgd-tpu train'"
+        " >/dev/null || break; sleep 1; done; sudo pkill -KILL -f '[/]ppgd-tpu train'; true;"
         " sudo lsof -t -w /dev/accel* /dev/vfio/* 2>/dev/null | xargs -r sudo kill -9;"
-        " sudo rm -f /tmp/libtpu_lockfile; echo ppgd-preflight-ok")
+        " sudo rm -f /tmp/libtpu_lockfile; rm -f \"$HOME/ppgd_tpu\"/attempt-*; echo ppgd-preflight-ok")
+    stamp = r.calls[9][-1].split("/")[-2]
     train = (
-        'set -o pipefail; mkdir -p "$HOME/ppgd_tpu" && export PATH="$HOME/.local/bin:$PATH" && '
+        f'set -o pipefail; d="$HOME/ppgd_tpu"; a="$d/attempt-{stamp}"; mkdir -p "$d" || exit; '
+        'export PATH="$HOME/.local/bin:$PATH"; if [ -e "$a.pid" ]; then echo "tpu_pod.sh: attaching '
+        'to the training this command started"; tail -n +1 -f --pid="$(cat "$a.pid")" '
+        '"$d/train.log"; exit "$(cat "$a.rc" 2>/dev/null || echo 75)"; fi; echo $$ >"$a.pid"; '
         "env PPGD_COORDINATOR_PORT=9476 'LIBTPU_INIT_ARGS=--xla_tpu_a=1 --xla_tpu_b=2' "
         "ppgd-tpu train --run_dir gs://bkt/runs/r1 --config=configs/tms_5_2.yaml --decomp.steps=2000 "
         "--loss.imp_min.coeff=3e-3 '--run_name=two words = one'\\''s flag' '' '--tags=$HOME;`x`' "
-        '2>&1 | tee -p "$HOME/ppgd_tpu/train.log"')
+        '2>&1 | tee -p "$d/train.log"; rc=$?; echo "$rc" >"$a.rc"; exit "$rc"')
     describe = ["compute", "tpus", "tpu-vm", "describe", "pod", *SCOPE,
                 "--format=value(state,networkEndpoints[].ipAddress)"]
     assert r.calls[0] == describe
     # Each worker gets exactly one preflight, then exactly one train; ssh runs in parallel.
     assert sorted(map(json.dumps, r.calls[1:5])) == sorted(json.dumps(ssh_call(w, preflight)) for w in range(4))
     assert sorted(map(json.dumps, r.calls[5:9])) == sorted(json.dumps(ssh_call(w, train)) for w in range(4))
-    stamp = r.calls[9][-1].split("/")[-2]
     assert r.calls[9][:2] == ["storage", "cp"] and r.calls[9][-1] == f"gs://bkt/runs/r1/launch_logs/{stamp}/"
     assert len(r.calls) == 10
     # What a real shell on each worker made of the command: the args, unchanged.
@@ -222,6 +226,53 @@ def test_training_outlives_the_launchers_ssh_session(tmp_path):
     assert "3000/3000" in log and "eval/recon/zero" in log  # the bar's end, the final table
 
 
+def test_a_dropped_ssh_session_reattaches_instead_of_starting_a_second_training(tmp_path):
+    """gcloud runs a command again when its ssh ends with 255, and a dropped connection leaves
+    the first run training: the re-run must follow that training to its end and exit code,
+    not start another one on the worker (two trainings of one run dir, one TPU)."""
+    r = Launch(tmp_path, ["run", *BASE, "--", "x"],
+               {"workers": 2, "train": {"1": {"*": "slow"}}, "drops": {"1": 1}})
+    assert r.rc == 0, r.err
+    assert sorted(t["worker"] for t in r.trains()) == [0, 1]  # one training per worker
+    stamp = next(tmp_path.glob("tpu_pod_logs/pod/*")).name
+    log = (tmp_path / "tpu_pod_logs/pod" / stamp / "worker-1.log").read_text()
+    assert "closed by remote host" in log and "Retrying" in log
+    assert "tpu_pod.sh: attaching to the training this command started" in log
+    assert log.rstrip().endswith("fake train done"), log  # followed to its end
+    assert "rc=0 failed_worker=none" in (tmp_path / "tpu_pod_logs/pod" / stamp / "exit_status").read_text()
+
+
+def test_the_stop_pattern_matches_the_training_not_the_shell_that_started_it(tmp_path):
+    """`stop` must signal the python process of the console script only: the remote shell
+    killed, its ssh would end with 255 and gcloud would run the train command again. Real
+    processes shaped like a worker's (pgrep only lists; nothing is signalled)."""
+    pattern = next(line.split("'")[1] for line in SCRIPT.read_text().splitlines()
+                   if line.startswith("readonly TRAIN_PATTERN="))
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    script = bin_dir / "ppgd-tpu"  # what pip installs: a python script on PATH
+    script.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(60)\n")
+    script.chmod(0o755)
+    shell = subprocess.Popen(["bash", "-c", f'export PATH="{bin_dir}:$PATH"; env A=1 ppgd-tpu '
+                              f"train --run_dir /tmp/{tmp_path.name} 2>&1 | cat; true"])
+    try:
+        for _ in range(100):
+            children = subprocess.run(["pgrep", "-P", str(shell.pid)], capture_output=True,
+                                      text=True).stdout.split()
+            train = [pid for pid in children if f"{bin_dir}/ppgd-tpu" in
+                     Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")]
+            if train:
+                break
+            time.sleep(0.05)
+        assert train, "the training process did not start"
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True,
+                               text=True).stdout.split()
+        assert train[0] in found and str(shell.pid) not in found, (pattern, found)
+    finally:
+        subprocess.run(["pkill", "-P", str(shell.pid)])  # only this test's children
+        shell.wait()
+
+
 def test_run_fails_fast_names_the_worker_and_stops_the_others(tmp_path):
     scenario = {"workers": 4, "train": {"1": {"2": {"exit": 3}, "*": "block"}}}
     r = Launch(tmp_path, ["run", *BASE, "--run_dir", "gs://b/r", "--", "--decomp.steps=5"], scenario)
@@ -229,7 +280,7 @@ def test_run_fails_fast_names_the_worker_and_stops_the_others(tmp_path):
     assert "worker 2 exited with code 3" in r.err
     # The others were stopped on the pod with one --worker=all stop after the failure ...
     stops = [c for c in r.calls if "--worker=all" in c]
-    assert len(stops) == 1 and "sudo pkill -TERM -f '[p]pgd-tpu train'" in stops[0][-1]
+    assert len(stops) == 1 and "sudo pkill -TERM -f '[/]ppgd-tpu train'" in stops[0][-1]
     assert r.calls.index(stops[0]) > max(r.calls.index(c) for c in r.calls if "ppgd-tpu train --run_dir" in c[-1])
     # ... and none of them is still running or ran into the stub's never-stopped safety net.
     trains = r.trains()
@@ -252,7 +303,7 @@ def test_run_refuses_a_subset_of_workers(tmp_path):
     r = Launch(tmp_path / "b", ["run", *BASE, "--", "x"], {"workers": 4, "unreachable": [3]})
     assert r.rc == 2
     assert "preflight failed on worker(s) 3 of 4" in r.err and "refusing to start on a subset" in r.err
-    assert r.trains() == [] and not any("ppgd-tpu train" in cmd for cmd in r.ssh())
+    assert r.trains() == [] and not any("PPGD_COORDINATOR_PORT" in cmd for cmd in r.ssh())
 
 
 def test_run_refuses_a_pod_that_is_not_ready(tmp_path):

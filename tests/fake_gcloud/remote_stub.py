@@ -80,6 +80,12 @@ def ppgd_tpu(argv):
     if action == "preempt":
         preempt()
         return 255
+    if action == "slow":  # trains a while, writing to its console, and ends well
+        for i in range(15):
+            print(f"fake train step {i}", flush=True)
+            time.sleep(0.1)
+        print("fake train done", flush=True)
+        return 0
     if action == "block":
         for _ in range(2400):  # a safety net: a launcher that never stops us fails the test
             if (WDIR / "stop").exists():
