@@ -107,6 +107,35 @@ def test_tokenize_checks_output_before_any_input_is_read(tmp_path, capsys):
     assert rc == 2 and "--output: " in err and "parquet" not in err, err
 
 
+@pytest.mark.parametrize("layout", ["a user's files", "a tokens/ dir of a user's",
+                                    "a meta.json of a user's"])
+def test_tokenize_refuses_an_output_holding_other_files_and_deletes_nothing(
+        layout, tmp_path, capsys):
+    """Writing a store replaces what is at --output (its tokens/ array is recreated), so an
+    output that holds anything but a token store is refused, exit 2, naming what is there;
+    over an existing store (a rewrite) it goes on."""
+    out = tmp_path / "mine"
+    files = {"a user's files": {"notes.txt": "keep"},
+             "a tokens/ dir of a user's": {"tokens/notes.txt": "keep"},
+             "a meta.json of a user's": {"meta.json": "{}", "tokens/zarr.json": "{}"}}[layout]
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    corpus = _corpus(tmp_path)
+    rc, _, err = _run(["tokenize", "--input", corpus, "--output", str(out),
+                       "--seq_len", "17"], capsys)
+    assert rc == 2, err
+    assert err.startswith(f"ppgd-tpu tokenize: error: --output: {out} holds files that are "
+                          "not a token store's (") and "give a new or empty directory" in err
+    assert {str(p.relative_to(out)): p.read_text() for p in out.rglob("*") if p.is_file()} \
+        == files
+    store = tmp_path / "store"
+    for _ in range(2):  # a new store, then a rewrite of it
+        rc, _, err = _run(["tokenize", "--input", corpus, "--output", str(store),
+                           "--seq_len", "17"], capsys)
+        assert rc == 0, err
+
+
 # ---------------------------------------------------------------- 3. damaged token stores
 
 
@@ -168,6 +197,18 @@ def test_a_damaged_store_is_refused_at_open_naming_the_file(how, lm_setup, tmp_p
         TokenStore.open(store)
     assert os.path.join(store, name) in str(e.value) and "re-run `ppgd-tpu tokenize`" in str(
         e.value)
+
+
+def test_a_shard_lost_after_open_fails_its_read_instead_of_reading_zeros(lm_setup, tmp_path):
+    """A store rewritten (or damaged) under a running command: its open found it whole, a
+    later read of a shard that is gone names the shard; tensorstore would fill zeros."""
+    store = _copy_store(lm_setup["store"], tmp_path / "store")
+    opened = TokenStore.open(store)
+    assert opened.read_rows(np.arange(4)).any()
+    os.remove(os.path.join(store, "tokens", "c", "0", "0"))
+    with pytest.raises(IncompleteStoreError,
+                       match=r"tokens/c/0/0: cannot read token rows .* re-run `ppgd-tpu "):
+        opened.read_rows(np.arange(4))
 
 
 @pytest.mark.parametrize("how", ["garbage meta.json", "shard cut short"])

@@ -27,7 +27,7 @@ from absl import logging
 from tqdm import tqdm
 
 from ppgd_tpu import storage
-from ppgd_tpu.data.tokens import StoreWriteError, TokenStoreWriter, fs_for
+from ppgd_tpu.data.tokens import StoreWriteError, TokenStoreWriter, foreign_files, fs_for
 
 BYTE_EOS = 256
 # 256 bytes + EOS, padded to a multiple of 128 (the TPU lane width) so embedding and
@@ -176,6 +176,13 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
     except ValueError as e:
         raise TokenizeError(f"--output: {e}; give a directory the token store can be "
                             "created in (a local path or gs://bucket/prefix)") from None
+    foreign = foreign_files(output)
+    if foreign:
+        raise TokenizeError(
+            f"--output: {output} holds files that are not a token store's ("
+            f"{', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}), which writing a "
+            "store there would delete; give a new or empty directory, or an existing store "
+            "to rewrite")
     files = expand_inputs(inputs)
     if not files:
         raise TokenizeError(f"--input {' '.join(inputs)}: matches no files")

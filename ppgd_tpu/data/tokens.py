@@ -13,7 +13,9 @@ Opening a store checks it against what tokenize wrote, so a damaged store is ref
 file before any compute (DamagedStoreError): meta.json must parse, and every file under
 tokens/ must still have its recorded size (one listing; a shard cut short or lost would
 otherwise fail at some later read, or read as zeros). A store from before `array_files`
-is checked for its shard files only. A read that still fails names the shard.
+is checked for its shard files only. A read that still fails names the shard; a chunk
+missing at read time (a store rewritten under a running command) fails too, never zeros.
+A writer replaces the store at its path, so it refuses a path holding anything else.
 
 The array goes through tensorstore's kvstores (`file` or `gcs`; the gcs driver honours
 TENSORSTORE_GCS_HTTP_URL for an emulator); the two small files go through fsspec (gcsfs for
@@ -181,8 +183,9 @@ class TokenStore:
                     raise DamagedStoreError(
                         f"{_join(tokens_dir, name)} has {found[name]} bytes, tokenize wrote "
                         f"{size} (cut short or changed); {REWRITE}")
-        try:
-            array = ts.open(_array_spec(path), open=True, read=True).result()
+        try:  # a chunk gone since this check (a tokenize rewriting the store) fails to read
+            array = ts.open(_array_spec(path) | {"fill_missing_data_reads": False}, open=True,
+                            read=True).result()
         except ValueError as e:
             raise DamagedStoreError(f"{_join(tokens_dir, 'zarr.json')}: the token array "
                                     f"cannot be opened ({_short(e)}); {REWRITE}") from None
@@ -252,6 +255,32 @@ class TokenStore:
         where = ", ".join(bad) if bad else f"the shards of {_join(self.path, ARRAY_DIR)}"
         return DamagedStoreError(f"{where}: cannot read token rows ({_short(error)}); "
                                  f"{REWRITE}")
+
+
+def foreign_files(path: str) -> list[str]:
+    """What at `path` a tokenize run would destroy that is not a token store's: files
+    other than tokens/ (zarr.json, c/), meta.json of this format and COMPLETE. A writer
+    replaces the store at its path, so it is refused anything else (a user's directory)."""
+    fs, p = fs_for(path)
+    if not fs.exists(p):
+        return []
+    names = {_name(fs, e): e for e in fs.ls(p, detail=True)}
+    foreign = [n for n in names if n not in (ARRAY_DIR, META_FILE, MARKER_FILE)]
+    if META_FILE in names:
+        try:
+            ours = json.loads(fs.cat_file(_join(p, META_FILE))).get("format") == FORMAT
+        except (ValueError, AttributeError, OSError):
+            ours = False
+        if not ours:
+            foreign.append(f"{META_FILE} (not a token store's)")
+    if ARRAY_DIR in names:
+        foreign += [f"{ARRAY_DIR}/{n}" for n in (_name(fs, e) for e in fs.ls(
+            _join(p, ARRAY_DIR), detail=True)) if n not in ("zarr.json", "c")]
+    return sorted(foreign)
+
+
+def _name(fs, entry: dict) -> str:
+    return entry["name"].rstrip("/").rsplit("/", 1)[-1]
 
 
 class TokenStoreWriter:
