@@ -211,6 +211,31 @@ def test_a_shard_lost_after_open_fails_its_read_instead_of_reading_zeros(lm_setu
         opened.read_rows(np.arange(4))
 
 
+def test_weights_made_with_another_architecture_are_refused_naming_the_fields(
+        lm_setup, tmp_path, capsys):
+    """The same tensor shapes read with other heads or another rope base are another
+    function: the file's recorded config is checked field by field; a file of another kind
+    is named as such (not as a list of missing tensors)."""
+    run = tmp_path / "run"
+    base = ["train", f"--config={lm_setup['config']}", f"--data.store={lm_setup['store']}",
+            f"--run_dir={run}"]
+    rc, _, err = _run([*base, f"--target.path={lm_setup['target']}",
+                       "--target.llama_simple_mlp.n_heads=4",
+                       "--target.llama_simple_mlp.n_kv_heads=2",
+                       "--target.llama_simple_mlp.rope_base=100"], capsys)
+    assert rc == 2, err
+    assert f"{lm_setup['target']} was made with another architecture" in err
+    for field in ("n_heads: 4 here, 2 in the file", "n_kv_heads: 2 here, 1 in the file",
+                  "rope_base: 100.0 here, 10000.0 in the file"):
+        assert f"target.llama_simple_mlp.{field}" in err, err
+    toy = tmp_path / "tms.safetensors"
+    cfg = load(None).target
+    build.save(build.build(cfg), cfg, str(toy))
+    rc, _, err = _run([*base, f"--target.path={toy}"], capsys)
+    assert rc == 2 and f"{toy} holds a 'tms' target (per its metadata)" in err, err
+    assert not run.exists()
+
+
 @pytest.mark.parametrize("how", ["garbage meta.json", "shard cut short"])
 def test_train_refuses_a_damaged_store_with_status_2(how, lm_setup, tmp_path, capsys):
     store = _copy_store(lm_setup["store"], tmp_path / "store")

@@ -102,9 +102,11 @@ def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
     if not storage.exists(path):
         raise ConfigError(f"{what}: no such file {path!r}")
     try:
-        sd = safetensors_numpy.load(storage.read_bytes(path))
+        blob = storage.read_bytes(path)
+        sd = safetensors_numpy.load(blob)
     except Exception as e:  # safetensors raises several types for a damaged header
         raise TargetError(f"{what}: {path} is not a readable safetensors file ({e})") from None
+    _check_recorded_config(cfg, _recorded_config(blob), path, what)
     template = jax.eval_shape(lambda: mod.state_dict(mod.init(sub, jax.random.key(0))))
     problems = [f"missing tensor {k!r} (expected shape {tuple(v.shape)})"
                 for k, v in template.items() if k not in sd]
@@ -115,6 +117,37 @@ def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
         raise TargetError(f"{what}: {path} does not match target.{cfg.kind}: "
                           + "; ".join(problems))
     return mod.from_state_dict(sub, {k: v.astype(np.float32) for k, v in sd.items()})
+
+
+def _recorded_config(blob: bytes) -> dict | None:
+    """The target config `save` wrote into a safetensors file's metadata (None for files
+    from elsewhere). The header: a little-endian u64 length, then that much JSON."""
+    try:
+        header = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
+        recorded = json.loads(header.get("__metadata__", {}).get("target", "null"))
+    except (ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def _check_recorded_config(cfg: TargetConfig, recorded: dict | None, path: str,
+                           what: str) -> None:
+    """Weights are only the target together with the architecture they were trained in:
+    other heads or another rope base read the same tensors as another function."""
+    if recorded is None:
+        return
+    kind = recorded.get("kind")
+    if kind != cfg.kind:
+        raise TargetError(f"{what}: {path} holds a {kind!r} target (per its metadata), not "
+                          f"target.kind {cfg.kind!r}; set --target.kind={kind} and its config")
+    mod, sub = _kind(cfg)
+    stored = recorded.get(cfg.kind) or {}
+    differ = [f"target.{cfg.kind}.{f}: {getattr(sub, f)!r} here, {stored[f]!r} in the file"
+              for f in mod.ARCHITECTURE if f in stored and stored[f] != getattr(sub, f)]
+    if differ:
+        raise TargetError(f"{what}: {path} was made with another architecture than this "
+                          "config's (" + "; ".join(differ) + "); the weights compute the "
+                          "function of the file's values: use them")
 
 
 def fingerprint(target: Target, cfg: TargetConfig) -> str:

@@ -34,9 +34,15 @@ NORM_EPS = 1e-5
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("c_fc", "down_proj")
 # `ppgd-tpu train` never pretrains an LM implicitly: it is loaded from target.path.
-NEEDS_PATH = ("target.path: the llama_simple_mlp target is loaded from a file; make one with "
-              "`ppgd-tpu pretrain --config configs/llama_simple_mlp_2L_pretrain.yaml "
-              "--store STORE --output PATH` and pass --target.path=PATH")
+NEEDS_PATH = ("target.path: the llama_simple_mlp target is loaded from a file; make one from "
+              "this same config (its target section defines the LM) with `ppgd-tpu pretrain "
+              "--config CONFIG --store STORE --output PATH` and pass --target.path=PATH")
+
+
+# The config fields that decide what given weights compute (build.load checks a file's
+# recorded config against them; the others are how it was trained, or compute only).
+ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp",
+                 "rope_base")
 
 
 def rms_norm(x, weight=None):

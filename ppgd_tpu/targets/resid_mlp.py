@@ -66,6 +66,11 @@ class ResidMLP(Target):
         return x + jax.nn.relu(x)
 
 
+# The config fields that decide what given weights compute (build.load checks a file's
+# recorded config against them; the others are how it was trained, or compute only).
+ARCHITECTURE = ("n_features", "d_embed", "d_mlp", "n_layers")
+
+
 def init(cfg: ResidMLPConfig, key) -> ResidMLP:
     k_e, *ks = jax.random.split(key, 1 + 2 * cfg.n_layers)
     W_E = jax.random.normal(k_e, (cfg.n_features, cfg.d_embed))

@@ -58,6 +58,11 @@ class TMS(Target):
         return x
 
 
+# The config fields that decide what given weights compute (build.load checks a file's
+# recorded config against them; the others are how it was trained, or compute only).
+ARCHITECTURE = ("n_features", "n_hidden", "n_identity_layers")
+
+
 def init(cfg: TMSConfig, key) -> TMS:
     n, m = cfg.n_features, cfg.n_hidden
     W = jax.random.normal(key, (n, m)) * np.sqrt(2.0 / (n + m))
