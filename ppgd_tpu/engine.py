@@ -85,6 +85,8 @@ class Trainer:
         self.data = data_lib.make(cfg, target, lambda shape: self.placement.sharding("batch",
                                                                                      shape))
         self.batch = self.data.batch
+        store = getattr(self.data, "store", None)  # LMs: which tokenize run wrote it
+        self.store_id = store.store_id if store is not None else None
         self.eval_batch, self.eval_labels = self.data.eval_batch, self.data.eval_labels
         self.dec = Decomposer(cfg, target, self.data.batch_shape)
         spec = jax.ShapeDtypeStruct(self.data.batch_shape, self.eval_batch.dtype)
@@ -143,9 +145,9 @@ def train(cfg: Config, run_dir: str) -> dict:
             rd.check_creatable()
         trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
         if rd.exists:
-            rd.check_target(cfg, trainer.target_sha256)
+            rd.check_inputs(cfg, trainer.target_sha256, trainer.store_id)
         else:
-            rd.create(cfg, trainer.target_sha256)
+            rd.create(cfg, trainer.target_sha256, trainer.store_id)
         rd.drop_torn_writes()
         dist.barrier("run_dir_ready")
         logging.info("%srun dir %s", dist.tag(), rd.path)

@@ -34,11 +34,12 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 DECOMPOSITION = "decomposition.safetensors"
 TARGET = "target.json"
+STORE = "data.json"
 FIGURES = "figures"
 LOCK = ".lock"
 # What a dir may hold and still be a new run dir: the lock, and what create() leaves when
 # it is killed before config.yaml lands (target.json, the temp names of atomic writes).
-_CREATION_LEFTOVERS = (LOCK, TARGET)
+_CREATION_LEFTOVERS = (LOCK, TARGET, STORE)
 _TEMP_MARK = ".tmp-"  # storage.write_bytes: "<name>.tmp-<hex>", renamed when whole
 
 
@@ -196,7 +197,8 @@ class RunDir:
         old = self.stored_config()
         # A run that recorded its target's weights may find them at another path (a copy on
         # gs://, another host's disk): check_target then compares the weights themselves.
-        moved = ("target.path",) if storage.exists(self.file(TARGET)) else ()
+        moved = (("target.path",) if storage.exists(self.file(TARGET)) else ()) + (
+            ("data.store",) if storage.exists(self.file(STORE)) else ())
         diff = config_lib.trajectory_diff(old, cfg, also_resumable=moved)
         if diff:
             raise ConfigError(
@@ -251,7 +253,7 @@ class RunDir:
         except ValueError as e:
             raise ConfigError(f"--run_dir: {e}") from None
         extra = [n for n in storage.list_entries(self.path) if n not in _CREATION_LEFTOVERS
-                 and not n.startswith(tuple(f + _TEMP_MARK for f in (CONFIG, TARGET)))]
+                 and not n.startswith(tuple(f + _TEMP_MARK for f in (CONFIG, TARGET, STORE)))]
         if extra:
             shown = ", ".join(extra[:6]) + (f", ... ({len(extra)} entries)"
                                              if len(extra) > 6 else "")
@@ -261,7 +263,7 @@ class RunDir:
                 f"--run_dir (a new or empty directory), or restore {self.file(CONFIG)} to "
                 "resume that run")
 
-    def create(self, cfg: Config, target_sha256: str) -> None:
+    def create(self, cfg: Config, target_sha256: str, store_id: str | None = None) -> None:
         """target.json, then config.yaml: the file whose presence makes the run exist.
         Every process calls it; the main one writes. Takes the dir's lock first (a new dir
         is locked here, once the target is built): refuses if another command holds it, or
@@ -270,12 +272,12 @@ class RunDir:
         problem = None
         if dist.is_main():
             try:
-                self._create(cfg, target_sha256)
+                self._create(cfg, target_sha256, store_id)
             except ConfigError as e:
                 problem = str(e)
         _refuse_together(problem)
 
-    def _create(self, cfg: Config, target_sha256: str) -> None:
+    def _create(self, cfg: Config, target_sha256: str, store_id: str | None) -> None:
         self.lock()
         if storage.exists(self.file(CONFIG)):
             raise ConfigError(
@@ -285,6 +287,9 @@ class RunDir:
         storage.write_bytes(self.file(TARGET), json.dumps(
             {"sha256": target_sha256, "kind": cfg.target.kind, "path": cfg.target.path},
             indent=1).encode())
+        if store_id is not None:
+            storage.write_bytes(self.file(STORE), json.dumps(
+                {"store_id": store_id, "store": cfg.data.store}, indent=1).encode())
         storage.write_bytes(self.file(CONFIG), config_lib.dump_yaml(cfg).encode())
 
     def drop_torn_writes(self) -> None:
@@ -299,20 +304,37 @@ class RunDir:
                     logging.info("removing %s, left by a write that was killed", name)
                     storage.remove(storage.join(where, name))
 
-    def check_target(self, cfg: Config, target_sha256: str) -> None:
-        """[C1] a resumed run rebuilds its frozen target: refuses other weights than the ones
-        it started with (a target file overwritten or retrained) [C3]. Run dirs from before
-        target.json are not checked."""
-        if not storage.exists(self.file(TARGET)):
-            return
+    def _started_with(self, name: str, keys: tuple[str, ...], what: str) -> tuple | None:
+        """The `keys` of the record `name` that create() wrote (None: a run dir from before
+        it, not checked)."""
+        if not storage.exists(self.file(name)):
+            return None
         try:
-            started = json.loads(storage.read_bytes(self.file(TARGET)))
-            sha, path = started["sha256"], started["path"]
+            started = json.loads(storage.read_bytes(self.file(name)))
+            return tuple(started[k] for k in keys)
         except (ValueError, TypeError, KeyError) as e:
             raise ConfigError(
-                f"--run_dir: {self.file(TARGET)} is not the record this package writes ({e!r}); "
-                "restore it, or delete it to resume without checking the target's "
-                "weights") from None
+                f"--run_dir: {self.file(name)} is not the record this package writes ({e!r}); "
+                f"restore it, or delete it to resume without checking {what}") from None
+
+    def check_inputs(self, cfg: Config, target_sha256: str, store_id: str | None) -> None:
+        """[C1] a resumed run rebuilds its frozen target and reopens its token store: refuses
+        other weights than the ones it started with (a target file overwritten or retrained)
+        and a store rewritten since (other rows under the same batch ids) [C3]."""
+        self._check_target(cfg, target_sha256)
+        started = self._started_with(STORE, ("store_id", "store"), "the token store")
+        if started and store_id is not None and started[0] != store_id:
+            raise ConfigError(
+                f"data.store: the token store at {cfg.data.store} is not the one {self.path} was "
+                f"started with (store id {store_id[:12]}... now, {started[0][:12]}... then, at "
+                f"{started[1]}): it was written again since, so the batches would differ from "
+                "the uninterrupted run's; restore that store, or use a new --run_dir")
+
+    def _check_target(self, cfg: Config, target_sha256: str) -> None:
+        started = self._started_with(TARGET, ("sha256", "path"), "the target's weights")
+        if started is None:
+            return
+        sha, path = started
         if sha != target_sha256:
             where = cfg.target.path or "the toy target cache (retrained from its config)"
             raise ConfigError(

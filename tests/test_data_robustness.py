@@ -8,6 +8,7 @@ mid-run.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,8 +158,6 @@ def lm_setup(tmp_path_factory):
 
 
 def _copy_store(src, dst) -> str:
-    import shutil
-
     shutil.copytree(src, dst)
     return str(dst)
 
@@ -234,6 +233,34 @@ def test_weights_made_with_another_architecture_are_refused_naming_the_fields(
     rc, _, err = _run([*base, f"--target.path={toy}"], capsys)
     assert rc == 2 and f"{toy} holds a 'tms' target (per its metadata)" in err, err
     assert not run.exists()
+
+
+def test_a_resume_refuses_a_store_written_again_since_the_run_started(lm_setup, tmp_path,
+                                                                     capsys):
+    """[C3] batch j is rows of the store: a store tokenized again at the same path (even
+    from the same corpus: another tokenize run) is refused on resume, exit 2, naming
+    data.store; the run's own store, copied to another path, resumes."""
+    corpus = _corpus(tmp_path)
+    store = tmp_path / "store"
+    tokenize = ["tokenize", "--input", corpus, "--output", str(store), "--seq_len", "17"]
+    assert _run(tokenize, capsys)[0] == 0
+    run = tmp_path / "run"
+    args = ["train", f"--config={lm_setup['config']}", f"--target.path={lm_setup['target']}",
+            f"--run_dir={run}", "--decomp.steps=4", "--checkpoint.every=2", "--eval.every=0",
+            "--log.every=2", "--eval.figures=false", "--decomp.faithfulness_warmup_steps=2"]
+    assert _run([*args, f"--data.store={store}"], capsys)[0] == 0
+    os.remove(run / "summary.json")  # as a stop after the step-2 checkpoint leaves it
+    shutil.rmtree(run / "ckpts" / "4")
+    shutil.copytree(store, tmp_path / "moved")
+    assert _run(tokenize, capsys)[0] == 0
+    before = sorted(os.listdir(run))
+    rc, _, err = _run([*args, f"--data.store={store}"], capsys)
+    assert rc == 2, err
+    assert (f"data.store: the token store at {store} is not the one {run} was started with"
+            in err and "written again since" in err), err
+    assert sorted(os.listdir(run)) == before and not (run / "summary.json").exists()
+    rc, _, err = _run([*args, f"--data.store={tmp_path / 'moved'}"], capsys)
+    assert rc == 0 and (run / "summary.json").exists(), err
 
 
 @pytest.mark.parametrize("how", ["garbage meta.json", "shard cut short"])

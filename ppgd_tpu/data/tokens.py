@@ -6,6 +6,7 @@ Layout under STORE (a local path or gs://bucket/prefix):
     tokens/       zarr3 array (tensorstore), sharded: one shard file per block of rows,
                   one inner chunk per row, so a random row costs one byte-range read
     meta.json     vocab_size, seq_len, n_rows, dtype, eos_id, tokenizer, source, counts,
+                  `store_id` (drawn per tokenize run: run dirs record it),
                   and `array_files`: the size of every file under tokens/ as written
     COMPLETE      written last; a store without it is refused ("re-run tokenize")
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,6 +231,12 @@ class TokenStore:
     def eos_id(self) -> int | None:
         return self.meta["eos_id"]
 
+    @property
+    def store_id(self) -> str | None:
+        """Drawn by each tokenize run (None for stores from before it): a rewrite of the
+        store at the same path has another one."""
+        return self.meta.get("store_id")
+
     def read_rows(self, row_ids: np.ndarray) -> np.ndarray:
         """Rows `row_ids` (any order, repeats allowed) as `[len(row_ids), seq_len]`, in that
         order. One batched tensorstore read: the shards fetch only the rows asked for."""
@@ -393,7 +401,7 @@ class TokenStoreWriter:
                 "n_rows": self.n_rows, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
                 "dtype": self.dtype.name, "eos_id": self.eos_id,
                 "n_documents": self.n_documents, "n_tokens": self.n_tokens,
-                "dropped_tokens": dropped,
+                "dropped_tokens": dropped, "store_id": uuid.uuid4().hex,
             } | self.info | {"array_files": _file_sizes(fs, _join(p, ARRAY_DIR))}
             _write_small(_join(self.path, META_FILE), json.dumps(meta, indent=1) + "\n")
             _write_small(_join(self.path, MARKER_FILE), "")
