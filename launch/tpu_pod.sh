@@ -20,6 +20,10 @@ readonly PROG REPO_ROOT
 # the per-user directory for the train log and the package.
 # shellcheck disable=SC2016
 readonly REMOTE_DIR='$HOME/ppgd_tpu'
+# The workers' Python environment (setup): TPU VM images ship an older python3 (Ubuntu 22.04:
+# 3.10) than this package needs (>= 3.11), so uv makes a venv with a managed Python.
+# shellcheck disable=SC2016
+readonly REMOTE_VENV='$HOME/ppgd_tpu/venv'
 # Matches the python process of the installed console script (`.../bin/python3
 # .../bin/ppgd-tpu train ...`), not the remote shell that started it (`... env ... ppgd-tpu
 # train ...`): that shell killed, ssh would end with 255, and gcloud answers 255 by running
@@ -42,7 +46,7 @@ KILL_GRACE_S=${TPU_POD_KILL_GRACE_S:-60}       # stop/preflight: SIGTERM -> SIGK
 # Options (see usage_<subcommand>).
 CMD="" TPU=${TPU_NAME:-} ZONE=${TPU_ZONE:-${CLOUDSDK_COMPUTE_ZONE:-}} PROJECT=${TPU_PROJECT:-}
 DRY_RUN=0 ACCEL="" RUNTIME=tpu-ubuntu2204-base CAPACITY="" QUEUED=0
-PACKAGE="" GIT_REF="" GIT_URL="" RUN_DIR="" PORT=8476 LOG_ROOT="" MAX_RETRIES=5
+PACKAGE="" GIT_REF="" GIT_URL="" PYTHON=3.12 RUN_DIR="" PORT=8476 LOG_ROOT="" MAX_RETRIES=5
 WORKER=0 FOLLOW=0 LINES=100
 EXTRA_ENV=() TRAIN_ARGS=()
 TMP="" RUNNING=() ACTION=""   # scratch dir; local ssh pids still to reap on exit
@@ -88,10 +92,14 @@ EOF
 usage_setup() {
   cat <<EOF
 usage: $PROG setup --tpu NAME --zone ZONE [--package FILE | --git-ref REF [--git-url URL]]
-Installs ppgd-tpu[tpu] on every worker, then checks every worker reports the same version.
+                   [--python V]
+Installs ppgd-tpu[tpu] on every worker into a fresh venv, \$HOME/ppgd_tpu/venv (made by uv,
+with Python V: TPU VM images ship an older python3 than this package needs), then checks
+every worker reports the same version. 'run' trains with that venv's ppgd-tpu.
   (default)        build a wheel of this checkout ($REPO_ROOT) and copy it to the workers
   --package FILE   a wheel or sdist you built
   --git-ref REF    pip install from git at REF; --git-url defaults to this checkout's origin
+  --python V       the venv's Python (default $PYTHON; 3.11 or later)
 EOF
 }
 
@@ -145,7 +153,7 @@ same arguments, which resumes from RUN_DIR. A failed attempt is retried after a 
 TPU_POD_BACKOFF_S (default $BACKOFF_S) seconds, doubled each time up to TPU_POD_BACKOFF_MAX_S
 (default $BACKOFF_MAX_S), at most K (default $MAX_RETRIES) times. Each attempt is logged to
 DIR/watch-<stamp>/attempts.log and RUN_DIR/launch_logs/watch-<stamp>/attempts.log.
-An existing READY pod is assumed to be set up already.
+An existing pod is set up unless every worker already has the package (same version).
 EOF
 }
 
@@ -180,6 +188,7 @@ parse_opts() {
       --package) only_for setup watch; PACKAGE=$val ;;
       --git-ref) only_for setup watch; GIT_REF=$val ;;
       --git-url) only_for setup watch; GIT_URL=$val ;;
+      --python) only_for setup watch; PYTHON=$val ;;
       --run_dir|--run-dir) only_for run watch; RUN_DIR=$val ;;
       --coordinator-port) only_for run watch; PORT=$val ;;
       --env) only_for run watch; EXTRA_ENV+=("$val") ;;
@@ -208,6 +217,7 @@ check_opts() {
   [[ $WORKER =~ ^([0-9]+|all)$ ]] || die "--worker '$WORKER' is not a worker index (0, 1, ...) or 'all'"
   [[ -z $RUN_DIR || $RUN_DIR == gs://?* ]] || die "--run_dir '$RUN_DIR' must be a gs:// path: every worker reads and writes the same checkpoints"
   [[ -z $PACKAGE || -z $GIT_REF ]] || die "give --package or --git-ref, not both"
+  [[ $PYTHON =~ ^3\.(1[1-9]|[2-9][0-9])$ ]] || die "--python '$PYTHON' is not a Python version this package runs on (3.11, 3.12, ...)"
   local kv
   for kv in ${EXTRA_ENV[@]+"${EXTRA_ENV[@]}"}; do
     [[ $kv =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "--env '$kv' is not KEY=VALUE"
@@ -337,8 +347,8 @@ train_command() {
   # writing train.log instead of dying of SIGPIPE, which would take training down with it at
   # its next console write (a BrokenPipeError, no checkpoint); training is ended by `stop`.
   # shellcheck disable=SC2016
-  printf 'set -o pipefail; d="%s"; a="$d/attempt-%s"; mkdir -p "$d" || exit; export PATH="$HOME/.local/bin:$PATH"; %s; echo $$ >"$a.pid"; env %s %s 2>&1 | tee -p "$d/train.log"; rc=$?; echo "$rc" >"$a.rc"; exit "$rc"' \
-    "$REMOTE_DIR" "${1//\//_}" "$attach" "$(shquote "${envs[@]}")" "$(shquote "${args[@]}")"
+  printf 'set -o pipefail; d="%s"; a="$d/attempt-%s"; mkdir -p "$d" || exit; export PATH="%s/bin:$PATH"; %s; echo $$ >"$a.pid"; env %s %s 2>&1 | tee -p "$d/train.log"; rc=$?; echo "$rc" >"$a.rc"; exit "$rc"' \
+    "$REMOTE_DIR" "${1//\//_}" "$REMOTE_VENV" "$attach" "$(shquote "${envs[@]}")" "$(shquote "${args[@]}")"
 }
 
 # Kills local ssh processes still running (their remote side is stopped separately).
@@ -458,35 +468,49 @@ resolve_package() {
 }
 
 install_package() {
-  local spec
+  local spec tpu_spec venv pip="\"$REMOTE_VENV/bin/python\" -m pip"
+  # A fresh venv each setup, with uv's Python $PYTHON (uv itself from the image's pip).
+  venv="python3 -m pip install --user --upgrade uv && \"\$HOME/.local/bin/uv\" venv --clear --seed --python $PYTHON \"$REMOTE_VENV\""
   if [[ -n $GIT_REF ]]; then
-    spec=$(shquote "ppgd-tpu[tpu] @ git+$GIT_URL@$GIT_REF")
-    remote all "python3 -m pip install --upgrade $spec && python3 -m pip install --no-deps --force-reinstall $spec"
+    spec=$(shquote "ppgd-tpu[tpu] @ git+$GIT_URL@$GIT_REF") tpu_spec=$spec
   else
     local path="$REMOTE_DIR/dist/${PKG_FILE##*/}"
+    spec="\"$path\"" tpu_spec="\"${path}[tpu]\""
     remote all "mkdir -p \"$REMOTE_DIR/dist\""
     gc compute tpus tpu-vm scp "$PKG_FILE" "$TPU:ppgd_tpu/dist/" "${SCOPE[@]}" --worker=all
-    # The second install replaces a same-version build that pip would otherwise keep.
-    remote all "python3 -m pip install --upgrade \"${path}[tpu]\" && python3 -m pip install --no-deps --force-reinstall \"$path\""
   fi
+  # The second install replaces a same-version build that pip would otherwise keep.
+  remote all "$venv && $pip install --upgrade $tpu_spec && $pip install --no-deps --force-reinstall $spec"
   verify_versions
 }
 
-# Every worker must report one and the same ppgd-tpu version (the built one, when known).
-verify_versions() {
-  local dir=$TMP/versions i v versions=() first
-  on_all_workers "$dir" "$POD_WORKERS" "python3 -m pip show ppgd-tpu 2>/dev/null | sed -n 's/^Version: /ppgd-tpu-version /p'" collect ||
-    die "checking the installed version failed on worker $(sed -n 's/.*failed_worker=//p' "$dir/exit_status")"
+# Sets VERSION_PROBLEM to why the workers cannot run this package (not installed, versions
+# that disagree, not the built one), or to "" when every worker has the same, expected one.
+check_versions() {
+  local dir=$TMP/versions i v versions=() first=""
+  VERSION_PROBLEM=""
+  if ! on_all_workers "$dir" "$POD_WORKERS" "\"$REMOTE_VENV/bin/python\" -m pip show ppgd-tpu 2>/dev/null | sed -n 's/^Version: /ppgd-tpu-version /p'" collect; then
+    VERSION_PROBLEM="checking the installed version failed on worker $(sed -n 's/.*failed_worker=//p' "$dir/exit_status")"
+    return 0
+  fi
   ((DRY_RUN)) && return 0
   for ((i = 0; i < POD_WORKERS; i++)); do
     v=$(sed -n 's/^ppgd-tpu-version //p' "$dir/worker-$i.log" | tail -n 1)
-    [[ -n $v ]] || die "worker $i: ppgd-tpu is not installed (see $dir/worker-$i.log)"
+    [[ -n $v ]] || { VERSION_PROBLEM="worker $i: ppgd-tpu is not installed (see $dir/worker-$i.log)"; return 0; }
     versions+=("worker $i=$v")
     first=${first:-$v}
-    [[ $v == "$first" ]] || die "workers disagree on the ppgd-tpu version: ${versions[*]}"
   done
-  [[ -z $PKG_VERSION || $first == "$PKG_VERSION" ]] || die "workers have ppgd-tpu $first, expected $PKG_VERSION"
-  note "ppgd-tpu $first on all $POD_WORKERS workers"
+  for v in "${versions[@]}"; do
+    [[ ${v#*=} == "$first" ]] || { VERSION_PROBLEM="workers disagree on the ppgd-tpu version: ${versions[*]}"; return 0; }
+  done
+  [[ -z $PKG_VERSION || $first == "$PKG_VERSION" ]] || VERSION_PROBLEM="workers have ppgd-tpu $first, expected $PKG_VERSION"
+  INSTALLED_VERSION=$first
+}
+
+verify_versions() {
+  check_versions
+  [[ -z $VERSION_PROBLEM ]] || die "$VERSION_PROBLEM"
+  ((DRY_RUN)) || note "ppgd-tpu $INSTALLED_VERSION on all $POD_WORKERS workers"
 }
 
 cmd_setup() {
@@ -561,14 +585,21 @@ ensure_pod() {
   ((QUEUED)) && qstate=$(queued_state)
   read_pod
   case $qstate/$POD_STATE in
-    /READY|ACTIVE/READY) ACTION=reuse; return 0 ;;
+    /READY|ACTIVE/READY) ACTION=reuse ;;
     NOT_FOUND/NOT_FOUND|/NOT_FOUND) ACTION=create ;;
     WAITING_FOR_RESOURCES/*|PROVISIONING/*|ACCEPTED/*|CREATING/*|*/CREATING|*/STARTING|*/RESTARTING|*/REPAIRING)
-      ACTION="wait"; wait_ready; return 0 ;;
+      ACTION="wait"; wait_ready ;;
     *) ACTION=recreate; note "TPU $TPU is ${qstate:+$qstate/}$POD_STATE: deleting and recreating it"; delete_pod ;;
   esac
-  create_pod absent
-  install_package
+  if [[ $ACTION == create || $ACTION == recreate ]]; then
+    create_pod absent
+    install_package
+    return 0
+  fi
+  # A pod this loop did not just create (made elsewhere, or set up by an attempt that
+  # failed) is set up unless every worker already has this package.
+  check_versions
+  [[ -z $VERSION_PROBLEM ]] || { note "$VERSION_PROBLEM: setting the pod up"; install_package; }
 }
 
 backoff_for() {  # seconds to wait after failure number $1

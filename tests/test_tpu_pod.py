@@ -31,6 +31,10 @@ SSH_FLAGS = ["--ssh-flag=-oConnectTimeout=30", "--ssh-flag=-oServerAliveInterval
              "--ssh-flag=-oServerAliveCountMax=6"]
 SCOPE = ["--zone=us-central2-b"]
 BASE = ["--tpu", "pod", "--zone", "us-central2-b"]
+# setup's worker venv (uv, a managed Python: the images' python3 is too old) and its pip
+VENV = ('python3 -m pip install --user --upgrade uv && "$HOME/.local/bin/uv" venv --clear --seed '
+        '--python 3.12 "$HOME/ppgd_tpu/venv"')
+PIP = '"$HOME/ppgd_tpu/venv/bin/python" -m pip'
 
 
 class Launch:
@@ -160,7 +164,7 @@ def test_run_issues_exact_commands_on_every_worker_and_passes_args_unchanged(tmp
     stamp = r.calls[9][-1].split("/")[-2]
     train = (
         f'set -o pipefail; d="$HOME/ppgd_tpu"; a="$d/attempt-{stamp}"; mkdir -p "$d" || exit; '
-        'export PATH="$HOME/.local/bin:$PATH"; if [ -e "$a.pid" ]; then echo "tpu_pod.sh: attaching '
+        'export PATH="$HOME/ppgd_tpu/venv/bin:$PATH"; if [ -e "$a.pid" ]; then echo "tpu_pod.sh: attaching '
         'to the training this command started"; tail -n +1 -f --pid="$(cat "$a.pid")" '
         '"$d/train.log"; exit "$(cat "$a.rc" 2>/dev/null || echo 75)"; fi; echo $$ >"$a.pid"; '
         "env PPGD_COORDINATOR_PORT=9476 'LIBTPU_INIT_ARGS=--xla_tpu_a=1 --xla_tpu_b=2' "
@@ -205,8 +209,8 @@ def test_training_outlives_the_launchers_ssh_session(tmp_path):
     assert r.rc == 0, r.err
     command = r.ssh(0)[-1]
     home = tmp_path / "worker-home"
-    (home / ".local" / "bin").mkdir(parents=True)
-    shim = home / ".local" / "bin" / "ppgd-tpu"  # the installed console script
+    (home / "ppgd_tpu" / "venv" / "bin").mkdir(parents=True)
+    shim = home / "ppgd_tpu" / "venv" / "bin" / "ppgd-tpu"  # setup's console script
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ppgd_tpu.cli "$@"\n')
     shim.chmod(0o755)
     env = {**os.environ, "HOME": str(home), "JAX_PLATFORMS": "cpu"}
@@ -367,6 +371,29 @@ def test_watch_recreates_a_preempted_pod_and_reruns_the_same_command(tmp_path):
     assert uploaded.read_text().splitlines() == lines
 
 
+def test_watch_sets_up_a_pod_it_did_not_create_unless_it_has_the_package(tmp_path):
+    """A pod still CREATING when watch starts (made elsewhere, or by an earlier attempt whose
+    setup failed) is waited for and then set up before training; a READY one that has the
+    package is only checked."""
+    pkg = wheel(tmp_path)
+    args = ["watch", *BASE, "--run_dir", "gs://b/r", "--accelerator-type", "v4-8",
+            "--package", str(pkg), "--", "x"]
+    r = Launch(tmp_path, args, {"workers": 2, "state": "CREATING", "ready_after_describes": 1},
+               env={"TPU_POD_POLL_S": "1"})
+    assert r.rc == 0, r.err
+    assert "attempt=1 pod=wait" in r.err and "ppgd-tpu is not installed" in r.err
+    for w in (0, 1):
+        progs = [(x["prog"], x["argv"][-1]) for x in r.remote if x["worker"] == w]
+        installed = progs.index(("python3", f"$HOME/ppgd_tpu/dist/{pkg.name}".replace(
+            "$HOME", str(r.state / f"worker-{w}/home"))))
+        assert installed < next(i for i, (prog, _) in enumerate(progs) if prog == "ppgd-tpu")
+    again = Launch(tmp_path, args, {"workers": 2})
+    assert again.rc == 0, again.err
+    assert "attempt=1 pod=reuse" in again.err and "setting the pod up" not in again.err
+    assert not [c for c in again.calls if c[:4] == ["compute", "tpus", "tpu-vm", "scp"]]
+    assert len(again.trains()) == 2
+
+
 def test_watch_retries_with_doubling_capped_backoff_then_gives_up(tmp_path):
     scenario = {"workers": 2, "train": {str(n): {"0": {"exit": 1}} for n in range(1, 6)}}
     r = Launch(tmp_path, ["watch", *BASE, "--run_dir", "gs://b/r", "--accelerator-type", "v4-16",
@@ -416,10 +443,19 @@ def test_setup_installs_on_every_worker_and_checks_versions_agree(tmp_path):
     assert "ppgd-tpu 0.1.0 on all 3 workers" in r.err
     path = '"$HOME/ppgd_tpu/dist/ppgd_tpu-0.1.0-py3-none-any.whl'
     assert r.ssh("all") == ['mkdir -p "$HOME/ppgd_tpu/dist"',
-                            f'python3 -m pip install --upgrade {path}[tpu]" && '
-                            f'python3 -m pip install --no-deps --force-reinstall {path}"']
+                            f'{VENV} && {PIP} install --upgrade {path}[tpu]" && '
+                            f'{PIP} install --no-deps --force-reinstall {path}"']
+    assert r.ssh(0)[-1] == (f"{PIP} show ppgd-tpu 2>/dev/null | sed -n "
+                            "'s/^Version: /ppgd-tpu-version /p'")
     for w in range(3):
         assert (r.state / f"worker-{w}/home/ppgd_tpu/dist" / pkg.name).exists()
+        # the package went into the venv, whose python the stub records
+        assert (r.state / f"worker-{w}/home/ppgd_tpu/venv/bin/python").exists()
+    py311 = Launch(tmp_path, ["setup", *BASE, "--package", str(pkg), "--python", "3.11"])
+    assert py311.rc == 0 and "--python 3.11 " in py311.ssh("all")[1], py311.err
+    for bad in ("3.10", "2.7", "3"):
+        r = Launch(tmp_path, ["setup", *BASE, "--package", str(pkg), "--python", bad])
+        assert r.rc == 2 and f"--python '{bad}' is not a Python version this package runs" in r.err
     bad = Launch(tmp_path, ["setup", *BASE, "--package", str(pkg)], {"workers": 3, "versions": {"2": "0.0.9"}})
     assert bad.rc == 2
     assert "workers disagree on the ppgd-tpu version: worker 0=0.1.0 worker 1=0.1.0 worker 2=0.0.9" in bad.err
@@ -430,10 +466,11 @@ def test_setup_from_a_git_ref_quotes_the_requirement(tmp_path):
                {"workers": 2})
     assert r.rc == 0, r.err
     spec = "'ppgd-tpu[tpu] @ git+https://example.com/ppgd_tpu.git@v0.1.0'"
-    assert r.ssh("all") == [f"python3 -m pip install --upgrade {spec} && "
-                            f"python3 -m pip install --no-deps --force-reinstall {spec}"]
+    assert r.ssh("all")[0] == (f"{VENV} && {PIP} install --upgrade {spec} && "
+                               f"{PIP} install --no-deps --force-reinstall {spec}")
     installs = [x["argv"] for x in r.remote if x["prog"] == "python3" and "install" in x["argv"]]
-    assert installs[0][-1] == "ppgd-tpu[tpu] @ git+https://example.com/ppgd_tpu.git@v0.1.0"
+    assert installs[0][-1] == "uv"
+    assert installs[1][-1] == "ppgd-tpu[tpu] @ git+https://example.com/ppgd_tpu.git@v0.1.0"
 
 
 # ------------------------------------------------------------------------- status / logs / stop

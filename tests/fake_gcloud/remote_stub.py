@@ -6,6 +6,8 @@ to STATE/remote.jsonl; `ppgd-tpu` appends a second record with "exit" when it re
   sudo pkill ...   marks this worker's training as stopped (STATE/worker-I/stop)
   sudo ...         anything else: recorded only (lsof finds nothing)
   pgrep            finds nothing
+  python3 -m pip install --user ... uv    puts a `uv` stub in HOME/.local/bin
+  uv venv ... DIR                         makes DIR/bin/python, this stub's python3
   python3 -m pip install|show ppgd-tpu   records the install, reports its version
   ppgd-tpu train   behaves as the scenario's "train" entry for this run and worker says
 """
@@ -39,7 +41,26 @@ def sudo(argv):
     return 1 if argv[:1] == ["lsof"] else 0
 
 
+def stub(path, name):
+    """An executable at `path` that runs this stub as `name`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" {name} "$@"\n')
+    path.chmod(0o755)
+
+
+def uv(argv):
+    if argv[:1] != ["venv"] or "--python" not in argv:
+        print(f"remote_stub uv: unsupported {argv}", file=sys.stderr)
+        return 2
+    stub(Path(argv[-1]) / "bin" / "python", "python3")
+    (WDIR / "installed").unlink(missing_ok=True)  # --clear: a fresh venv
+    return 0
+
+
 def python3(argv):
+    if argv[:3] == ["-m", "pip", "install"] and argv[-1] == "uv":
+        stub(Path(os.environ["HOME"]) / ".local" / "bin" / "uv", "uv")
+        return 0
     if argv[:3] == ["-m", "pip", "install"]:
         spec = argv[-1]
         m = re.search(r"ppgd_tpu-([^-]+?)(-py3.*\.whl|\.tar\.gz)", spec)
@@ -98,7 +119,8 @@ def ppgd_tpu(argv):
 def main():
     prog, argv = sys.argv[1], sys.argv[2:]
     record(prog, argv)
-    run = {"sudo": sudo, "pgrep": lambda _: 1, "python3": python3, "ppgd-tpu": ppgd_tpu}[prog]
+    run = {"sudo": sudo, "pgrep": lambda _: 1, "python3": python3, "uv": uv,
+           "ppgd-tpu": ppgd_tpu}[prog]
     code = run(argv)
     if prog == "ppgd-tpu":  # a stub killed by a signal records no exit
         record(prog, argv, exit=code)
