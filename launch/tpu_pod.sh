@@ -151,7 +151,8 @@ Requeue loop. Each attempt: if the pod is missing it is created and set up; if i
 preempted (or is otherwise dead) it is deleted, recreated and set up; then 'run' with the
 same arguments, which resumes from RUN_DIR. A failed attempt is retried after a backoff of
 TPU_POD_BACKOFF_S (default $BACKOFF_S) seconds, doubled each time up to TPU_POD_BACKOFF_MAX_S
-(default $BACKOFF_MAX_S), at most K (default $MAX_RETRIES) times. Each attempt is logged to
+(default $BACKOFF_MAX_S), at most K (default $MAX_RETRIES) times in a row: an attempt that
+committed a new checkpoint in RUN_DIR starts the count (and the backoff) again. Each attempt is logged to
 DIR/watch-<stamp>/attempts.log and RUN_DIR/launch_logs/watch-<stamp>/attempts.log.
 An existing pod is set up unless every worker already has the package (same version).
 EOF
@@ -608,12 +609,20 @@ backoff_for() {  # seconds to wait after failure number $1
   echo $((s < BACKOFF_MAX_S ? s : BACKOFF_MAX_S))
 }
 
+# The run's latest committed checkpoint step on GCS (-1 when none, or unreadable).
+latest_step() {
+  local step
+  step=$(gcloud storage ls "${RUN_DIR%/}/ckpts/*/COMMITTED" 2>/dev/null |
+    sed -n 's#.*/ckpts/\([0-9][0-9]*\)/COMMITTED$#\1#p' | sort -n | tail -n 1) || true
+  echo "${step:--1}"
+}
+
 cmd_watch() {
   ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)) || die "needs bash >= 5.1 for fail-fast waits (this is $BASH_VERSION)"
   [[ -n $RUN_DIR ]] || die "--run_dir gs://... is required: every retry resumes from it"
   [[ -n $ACCEL ]] || die "--accelerator-type TYPE is required: it is used to recreate a preempted pod"
   resolve_package
-  local rel attempt rc action status wait_s
+  local rel attempt rc action status wait_s failures=0 step_before step_after
   rel=watch-$(stamp)
   if ((DRY_RUN)); then
     ensure_pod
@@ -623,6 +632,7 @@ cmd_watch() {
   fi
   mkdir -p "$LOG_ROOT/$rel"
   for ((attempt = 1; ; attempt++)); do
+    step_before=$(latest_step)
     # A subshell with its own errexit: any failure inside ends only this attempt.
     set +e
     (
@@ -637,13 +647,19 @@ cmd_watch() {
     action=$(cat "$LOG_ROOT/$rel/action" 2>/dev/null || echo none)
     rm -f "$LOG_ROOT/$rel/action"
     status=$(cat "$LOG_ROOT/$rel/attempt-$attempt/exit_status" 2>/dev/null || echo "rc=$rc failed_worker=none")
+    # Failures count (for the backoff and --max-retries) since the last attempt that moved
+    # the run on: a multi-day run on spot capacity is preempted many times, each time after
+    # committing new checkpoints.
+    step_after=$(latest_step)
+    ((step_after <= step_before)) || failures=0
+    ((rc == 0)) || failures=$((failures + 1))
     wait_s=0
-    ((rc == 0 || attempt > MAX_RETRIES)) || wait_s=$(backoff_for "$attempt")
-    echo "$(stamp) attempt=$attempt pod=$action $status exit=$rc next_backoff_s=$wait_s" | tee -a "$LOG_ROOT/$rel/attempts.log" >&2
+    ((rc == 0 || failures > MAX_RETRIES)) || wait_s=$(backoff_for "$failures")
+    echo "$(stamp) attempt=$attempt pod=$action $status exit=$rc checkpoint=$step_after failures=$failures next_backoff_s=$wait_s" | tee -a "$LOG_ROOT/$rel/attempts.log" >&2
     upload_logs "$LOG_ROOT/$rel" "$rel"
     ((rc == 0)) && { note "run finished after $attempt attempt(s)"; return 0; }
-    ((attempt <= MAX_RETRIES)) || { note "giving up after $attempt attempts (last exit $rc); log: $LOG_ROOT/$rel/attempts.log"; return "$rc"; }
-    note "retrying in ${wait_s}s (retry $attempt of $MAX_RETRIES); training resumes from $RUN_DIR"
+    ((failures <= MAX_RETRIES)) || { note "giving up after $failures failed attempts in a row without a new checkpoint (last exit $rc); log: $LOG_ROOT/$rel/attempts.log"; return "$rc"; }
+    note "retrying in ${wait_s}s (retry $failures of $MAX_RETRIES since the last new checkpoint); training resumes from $RUN_DIR"
     sleep "$wait_s"
   done
 }

@@ -363,8 +363,10 @@ def test_watch_recreates_a_preempted_pod_and_reruns_the_same_command(tmp_path):
         assert first["argv"] == second["argv"] == ["train", "--run_dir", "gs://b/r", *TRAIN_ARGS]
     lines = (next((tmp_path / "tpu_pod_logs/pod").glob("watch-*")) / "attempts.log").read_text().splitlines()
     assert len(lines) == 2
-    assert "attempt=1 pod=reuse rc=255 failed_worker=1 exit=255 next_backoff_s=7" in lines[0]
-    assert "attempt=2 pod=recreate rc=0 failed_worker=none exit=0 next_backoff_s=0" in lines[1]
+    assert ("attempt=1 pod=reuse rc=255 failed_worker=1 exit=255 checkpoint=-1 failures=1 "
+            "next_backoff_s=7") in lines[0]
+    assert ("attempt=2 pod=recreate rc=0 failed_worker=none exit=0 checkpoint=-1 failures=1 "
+            "next_backoff_s=0") in lines[1]
     # one poll while the new node was CREATING, then the backoff before attempt 2
     assert r.sleeps == ["7", "2"]
     (uploaded,) = (r.state / "gcs/b/r/launch_logs").glob("watch-*/attempts.log")
@@ -400,9 +402,29 @@ def test_watch_retries_with_doubling_capped_backoff_then_gives_up(tmp_path):
                           "--package", str(wheel(tmp_path)), "--max-retries", "3", "--", "--decomp.steps=9"],
                scenario, env={"TPU_POD_BACKOFF_S": "5", "TPU_POD_BACKOFF_MAX_S": "12"})
     assert r.rc == 1
-    assert "giving up after 4 attempts" in r.err
+    assert "giving up after 4 failed attempts in a row without a new checkpoint" in r.err
     assert r.sleeps == ["5", "10", "12"]
     assert len(r.trains(0)) == 4 and not any(c[3] in ("create", "delete") for c in r.calls if c[0] == "compute")
+
+
+def test_watch_counts_retries_since_the_last_new_checkpoint(tmp_path):
+    """A long run on spot capacity is preempted again and again, each time after committing
+    new checkpoints: those attempts moved it on, so they do not use up --max-retries (1
+    here) nor lengthen the backoff; failures in a row without a new checkpoint do."""
+    commit = {"0": "commit+preempt", "*": "block"}
+    scenario = {"workers": 2, "ready_after_describes": 0,
+                "train": {"1": commit, "2": commit, "3": commit, "4": {"0": {"exit": 1}}}}
+    r = Launch(tmp_path, ["watch", *BASE, "--run_dir", "gs://b/r", "--accelerator-type", "v4-16",
+                          "--package", str(wheel(tmp_path)), "--max-retries", "1", "--", "x"],
+               scenario, env={"TPU_POD_BACKOFF_S": "5", "TPU_POD_POLL_S": "1"})
+    assert r.rc == 1, r.err
+    lines = (next((tmp_path / "tpu_pod_logs/pod").glob("watch-*")) / "attempts.log").read_text()
+    got = [(ln.split(" checkpoint=")[1].split(" next")[0], ln.rsplit("=", 1)[1])
+           for ln in lines.splitlines()]
+    assert got == [("10 failures=1", "5"), ("20 failures=1", "5"), ("30 failures=1", "5"),
+                   ("30 failures=2", "0")]
+    assert "giving up after 2 failed attempts in a row without a new checkpoint" in r.err
+    assert len(r.trains(0)) == 4
 
 
 # ------------------------------------------------------------------------- create / setup / delete

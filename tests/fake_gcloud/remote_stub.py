@@ -101,6 +101,13 @@ def ppgd_tpu(argv):
     if action == "preempt":
         preempt()
         return 255
+    if action == "commit+preempt":  # trains far enough to commit checkpoint 10 n, then is lost
+        run_dir = argv[argv.index("--run_dir") + 1].removeprefix("gs://")
+        marker = STATE / "gcs" / run_dir / "ckpts" / str(10 * n) / "COMMITTED"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        preempt()
+        return 255
     if action == "slow":  # trains a while, writing to its console, and ends well
         for i in range(15):
             print(f"fake train step {i}", flush=True)
