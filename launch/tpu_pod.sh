@@ -32,6 +32,9 @@ readonly REMOTE_VENV='$HOME/ppgd_tpu/venv'
 readonly TRAIN_PATTERN='[/]ppgd-tpu train'
 # Exit code of a re-run train command whose training ended without recording its own.
 readonly LOST_RC=75
+# watch: every worker exited 0 but the run has no summary.json (stopped before its end: the
+# SIGTERM of a preemption or of `stop` saves a checkpoint and exits 0).
+readonly UNFINISHED_RC=76
 readonly LIBTPU_LOCKFILE=/tmp/libtpu_lockfile
 readonly PREFLIGHT_OK=ppgd-preflight-ok
 readonly SUBCOMMANDS="create setup run status logs stop delete watch"
@@ -152,7 +155,10 @@ preempted (or is otherwise dead) it is deleted, recreated and set up; then 'run'
 same arguments, which resumes from RUN_DIR. A failed attempt is retried after a backoff of
 TPU_POD_BACKOFF_S (default $BACKOFF_S) seconds, doubled each time up to TPU_POD_BACKOFF_MAX_S
 (default $BACKOFF_MAX_S), at most K (default $MAX_RETRIES) times in a row: an attempt that
-committed a new checkpoint in RUN_DIR starts the count (and the backoff) again. Each attempt is logged to
+committed a new checkpoint in RUN_DIR starts the count (and the backoff) again. The run is
+finished when RUN_DIR/summary.json exists: workers that all exit 0 without it were stopped
+(a preemption's SIGTERM, or 'stop'), and that attempt is retried too; to end a watch, stop it
+(Ctrl-C), then '$PROG stop'. Each attempt is logged to
 DIR/watch-<stamp>/attempts.log and RUN_DIR/launch_logs/watch-<stamp>/attempts.log.
 An existing pod is set up unless every worker already has the package (same version).
 EOF
@@ -644,6 +650,10 @@ cmd_watch() {
     )
     rc=$?
     set -e
+    if ((rc == 0)) && ! gcloud storage ls "${RUN_DIR%/}/summary.json" >/dev/null 2>&1; then
+      note "every worker exited 0 but ${RUN_DIR%/}/summary.json does not exist: the run was stopped before its end (a preemption's SIGTERM saves a checkpoint and exits 0)"
+      rc=$UNFINISHED_RC
+    fi
     action=$(cat "$LOG_ROOT/$rel/action" 2>/dev/null || echo none)
     rm -f "$LOG_ROOT/$rel/action"
     status=$(cat "$LOG_ROOT/$rel/attempt-$attempt/exit_status" 2>/dev/null || echo "rc=$rc failed_worker=none")

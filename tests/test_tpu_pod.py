@@ -407,6 +407,19 @@ def test_watch_retries_with_doubling_capped_backoff_then_gives_up(tmp_path):
     assert len(r.trains(0)) == 4 and not any(c[3] in ("create", "delete") for c in r.calls if c[0] == "compute")
 
 
+def test_watch_is_done_only_when_the_run_has_its_summary(tmp_path):
+    """A preemption's SIGTERM makes every process save and exit 0, so workers that all exit
+    0 are not a finished run: without RUN_DIR/summary.json the attempt is retried."""
+    scenario = {"workers": 2, "train": {"1": {"*": "stopped"}}}
+    r = Launch(tmp_path, ["watch", *BASE, "--run_dir", "gs://b/r", "--accelerator-type", "v4-16",
+                          "--package", str(wheel(tmp_path)), "--", "x"], scenario)
+    assert r.rc == 0, r.err
+    lines = (next((tmp_path / "tpu_pod_logs/pod").glob("watch-*")) / "attempts.log").read_text()
+    assert [ln.split(" exit=")[1].split()[0] for ln in lines.splitlines()] == ["76", "0"]
+    assert "gs://b/r/summary.json does not exist: the run was stopped before its end" in r.err
+    assert len(r.trains(0)) == 2 and (r.state / "gcs/b/r/summary.json").exists()
+
+
 def test_watch_counts_retries_since_the_last_new_checkpoint(tmp_path):
     """A long run on spot capacity is preempted again and again, each time after committing
     new checkpoints: those attempts moved it on, so they do not use up --max-retries (1

@@ -96,7 +96,11 @@ def ppgd_tpu(argv):
     plan = scenario().get("train", {}).get(str(n), {})
     action = plan.get(str(WORKER), plan.get("*", "ok"))
     print(f"fake train run {n} on worker {WORKER}: {action}", flush=True)
-    if action == "ok":
+    if action in ("ok", "stopped"):  # stopped: a SIGTERM's save-and-exit, no summary
+        if action == "ok" and WORKER == 0 and "--run_dir" in argv:  # process 0 finishes
+            summary = STATE / "gcs" / argv[argv.index("--run_dir") + 1].removeprefix("gs://")
+            summary.mkdir(parents=True, exist_ok=True)
+            (summary / "summary.json").write_text("{}")
         return 0
     if action == "preempt":
         preempt()
@@ -108,7 +112,7 @@ def ppgd_tpu(argv):
         marker.touch()
         preempt()
         return 255
-    if action == "slow":  # trains a while, writing to its console, and ends well
+    if action == "slow":  # trains a while, writing to its console (no run dir needed)
         for i in range(15):
             print(f"fake train step {i}", flush=True)
             time.sleep(0.1)
