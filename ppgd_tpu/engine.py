@@ -135,7 +135,10 @@ class Trainer:
 def train(cfg: Config, run_dir: str) -> dict:
     """Runs, resumes, or reports already complete the decomposition of `cfg` in `run_dir`."""
     with RunDir(run_dir) as rd:  # its lock (local dirs) is held until the run returns
-        if rd.exists:
+        # Decided once, by the main process for all: each one asking itself could see the
+        # config.yaml that process 0 writes in create() and skip create()'s collective.
+        resuming = dist.broadcast_from_main(rd.exists)
+        if resuming:
             rd.check_compatible(cfg)
             if rd.complete:
                 summary = rd.read_summary()
@@ -144,7 +147,7 @@ def train(cfg: Config, run_dir: str) -> dict:
         else:
             rd.check_creatable()
         trainer = Trainer(cfg)  # builds / validates the target before the run dir is touched
-        if rd.exists:
+        if resuming:
             rd.check_inputs(cfg, trainer.target_sha256, trainer.store_id)
         else:
             rd.create(cfg, trainer.target_sha256, trainer.store_id)
