@@ -105,10 +105,8 @@ class MetricsWriter:
             self._keep(lambda record: record["step"] <= resume_step)
         self.tb = None
         if enabled and tensorboard and not self.remote:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(run_dir, TENSORBOARD), purge_step=(
-                None if resume_step is None else resume_step + 1))
+            self.tb = TensorBoard(os.path.join(run_dir, TENSORBOARD),
+                                  None if resume_step is None else resume_step + 1)
 
     def write_final(self, step: int, values: dict) -> None:
         """The final evaluation's line, once: a finish interrupted after writing it (before
@@ -142,9 +140,7 @@ class MetricsWriter:
             with open(self.path, "a") as fh:
                 fh.write(line)
         if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, step)
+            self.tb.write(step, {k: v for k, v in values.items() if isinstance(v, (int, float))})
 
     def flush(self) -> None:
         if self.enabled and self.remote:
@@ -157,6 +153,42 @@ class MetricsWriter:
         self.flush()
         if self.tb is not None:
             self.tb.close()
+
+
+class TensorBoard:
+    """Scalars as a TensorBoard event file, written in the caller's thread, so a failed write
+    (a full disk) raises there: tensorboardX's SummaryWriter writes from a thread whose death
+    left every later add_scalar blocked on its full queue, the run hung for good.
+
+    `purge_step`: a SessionLog START there hides the events of earlier files with a step
+    >= it (a resumed run's redone steps), as TensorBoard reads them."""
+
+    def __init__(self, logdir: str, purge_step: int | None):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2, summary_pb2
+
+        self.pb, self.summary_pb = event_pb2, summary_pb2
+        os.makedirs(logdir, exist_ok=True)
+        self.events = EventsWriter(os.path.join(logdir, "events"))
+        if purge_step is not None:
+            self._put(event_pb2.Event(step=purge_step, session_log=event_pb2.SessionLog(
+                status=event_pb2.SessionLog.START)))
+
+    def _put(self, event) -> None:
+        event.wall_time = time.time()
+        self.events.write_event(event)
+        self.events.flush()
+
+    def write(self, step: int, scalars: dict) -> None:
+        value = self.summary_pb.Summary.Value
+        self._put(self.pb.Event(step=int(step), summary=self.summary_pb.Summary(value=[
+            value(tag=k, simple_value=float(v)) for k, v in scalars.items()])))
+
+    def flush(self) -> None:
+        self.events.flush()
+
+    def close(self) -> None:
+        self.events.close()
 
 
 class Progress:

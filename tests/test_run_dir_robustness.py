@@ -240,6 +240,29 @@ def test_G_a_file_where_the_run_keeps_a_directory_is_refused_naming_it(run, empt
     assert (run / "summary.json").exists() and (run / "tb").is_dir()
 
 
+# ------------------------------------------------------------- H: a write that fails mid-run
+
+
+@pytest.mark.parametrize("sink", ["tensorboard", "metrics.jsonl"])
+def test_H_a_metrics_write_that_fails_raises_instead_of_hanging(tmp_path, sink):
+    """A full disk, as a real file-size limit in a real process: the write raises OSError
+    (File too large) in the loop's thread. TensorBoard's old writer thread died of it and
+    left every later write blocked on its full queue: the run hung for good."""
+    code = f"""
+import resource
+from ppgd_tpu import metrics
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+if {sink == "tensorboard"}:  # MetricsWriter's TensorBoard sink alone
+    w = metrics.TensorBoard({str(tmp_path / "tb")!r}, purge_step=None)
+else:
+    w = metrics.MetricsWriter({str(tmp_path)!r}, enabled=True, tensorboard=False)
+for step in range(10000):
+    w.write(step, {{f"train/some/metric_{{k}}": 1.5 for k in range(20)}})
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "OSError: [Errno 27] File too large" in p.stderr, p.stderr[-2000:]
+
+
 # ------------------------------------------------------------------- D: unwritable run dir
 
 
