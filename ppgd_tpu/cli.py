@@ -11,8 +11,11 @@ from __future__ import annotations
 import difflib
 import importlib
 import logging as std_logging
+import os
 import re
+import signal
 import sys
+import traceback
 import typing
 from typing import Literal
 
@@ -329,8 +332,30 @@ def run(argv: list[str]) -> int:
         raise
 
 
+class Terminated(BaseException):
+    """SIGTERM before a run's loop (which then stops cleanly on it itself, [C5])."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def _end(code: int, message: str) -> None:
+    """Exits with `code` after `message`; in a multi-process job first tells the other
+    processes (dist.report_failure), and skips the exit barrier they would never reach."""
+    from ppgd_tpu import dist
+
+    print(message, file=sys.stderr, flush=True)
+    if dist.process_count() > 1:
+        dist.report_failure(message.splitlines()[-1])
+        os._exit(code)
+    sys.exit(code)
+
+
 def main() -> None:
     from ppgd_tpu import cache, cpu_runtime
+
+    signal.signal(signal.SIGTERM, _terminated)
 
     cpu_runtime.keep_step_buffers()
     cache.enable_compile_cache()
@@ -339,12 +364,16 @@ def main() -> None:
     logging.use_absl_handler()
     if cpu_runtime.computes_on_cpu():  # no accelerator plugin: JAX's TPU probe must fail
         std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
+    again = "nothing partial is read as complete: re-run the same command to start or resume"
     try:
-        sys.exit(run(sys.argv[1:]))
+        code = run(sys.argv[1:])
     except KeyboardInterrupt:  # before a run's loop (which stops cleanly on SIGINT itself)
-        print("ppgd-tpu: interrupted; nothing partial is read as complete: re-run the same "
-              "command to start or resume", file=sys.stderr)
-        sys.exit(130)
+        _end(130, f"ppgd-tpu: interrupted (SIGINT); {again}")
+    except Terminated:
+        _end(143, f"ppgd-tpu: terminated (SIGTERM); {again}")
+    except Exception as e:
+        _end(1, f"{traceback.format_exc()}ppgd-tpu: failed: {type(e).__name__}: {e}")
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ class _State:
     requested: Settings | None = None  # what initialize() resolved; None before it ran
     settings: Settings | None = None  # what it brought up (index/count from JAX)
     seq: dict[str, int] = dataclasses.field(default_factory=dict)
+    failure_watcher: threading.Thread | None = None  # multi-process: _watch_failures
 
 
 _state = _State()
@@ -215,6 +216,9 @@ def initialize(
     )
     if _state.client is not None:
         atexit.register(shutdown)
+        _state.failure_watcher = threading.Thread(
+            target=_watch_failures, args=(_state.client,), name="ppgd-failures", daemon=True)
+        _state.failure_watcher.start()
     _tag_absl_logs()
     if _state.count > 1:
         logging.info("process %d of %d up, %d local devices", _state.index, _state.count,
@@ -228,7 +232,48 @@ def shutdown() -> None:
     others (they would abort)."""
     if _state.client is not None:
         _state.client = None
+        if _state.failure_watcher is not None:  # no RPC of its own in flight at the shutdown
+            _state.failure_watcher.join()
         jax.distributed.shutdown()
+
+
+_FAILURE_KEY = "ppgd/failure"
+_FAILURE_POLL_MS = 500  # a notice ends a wait at once; the polls let shutdown() join it
+FAILURE_GRACE_S = 2.0  # process 0 stays this long for the others to read a failure notice
+
+
+def report_failure(message: str) -> None:
+    """This process ends with an error: tells the others, whose failure watcher then exits
+    them at once naming it (they would otherwise wait in their next collective for a process
+    that is gone, until a timeout and JAX's abort). The caller exits right after, without
+    shutdown()'s barrier. A no-op single-process, or when another process failed first."""
+    client = _state.client
+    if client is None:
+        return
+    try:
+        client.key_value_set(_FAILURE_KEY, f"process {_state.index}: {message}")
+    except jax.errors.JaxRuntimeError:
+        return
+    if is_main():  # it hosts the service the others read the notice from
+        time.sleep(FAILURE_GRACE_S)
+
+
+def _watch_failures(client) -> None:
+    """Background, every process of a multi-process job: exits this process (status 1) as
+    soon as another reports a failure."""
+    while _state.client is client:
+        try:
+            notice = client.blocking_key_value_get(_FAILURE_KEY, _FAILURE_POLL_MS)
+        except jax.errors.JaxRuntimeError as e:
+            if "DEADLINE_EXCEEDED" not in str(e):  # the service is gone: no spin
+                time.sleep(_FAILURE_POLL_MS / 1000)
+            continue
+        if _state.client is client and not notice.startswith(f"process {_state.index}:"):
+            os.write(2, f"{tag()} stopping: {notice}\n".encode())
+            if is_main():  # the others read the notice from the service it hosts
+                time.sleep(FAILURE_GRACE_S)
+            os._exit(1)
+        return
 
 
 def _export_tpu_coordinator_port() -> None:

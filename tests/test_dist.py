@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,34 @@ def test_C5_single_process_uses_the_same_stop_signal(start):
     r = p.result()
     assert r["stop_step"] >= 5 and r["reason"] == "SIGTERM on p0"
     assert r["signals"] == ["SIGTERM", "SIGINT"]
+
+
+def test_a_process_that_ends_early_takes_the_others_with_it_naming_why(tmp_path):
+    """SIGTERM to process 1 alone while the run is still building its target (before the
+    loop, which would save and stop cleanly): it exits 143 saying so, and process 0, which
+    would wait in its next collective for a process that is gone (300 s, then JAX's abort),
+    exits at once naming process 1's reason. No launcher: each host of a pod is alone."""
+    port = free_port()
+    cache = {"PPGD_TPU_CACHE": str(tmp_path / "cache")}  # the toy target is trained: seconds
+    args = ["-m", "ppgd_tpu.cli", "train", f"--run_dir={tmp_path / 'run'}", "--log.progress=false"]
+    procs = [Proc(args, {**child_env(i, 2, 1, port), **cache}) for i in range(2)]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any("mesh {" in line for line in procs[1].lines):
+            assert time.monotonic() < deadline and procs[1].p.poll() is None, procs[1].output()
+            time.sleep(0.05)
+        procs[1].p.send_signal(signal.SIGTERM)
+        codes = [p.finish() for p in procs]
+    finally:
+        for p in procs:
+            if p.p.poll() is None:
+                p.p.kill()
+                p.p.wait()
+    assert codes == [1, 143], [p.output()[-3000:] for p in procs]
+    assert "ppgd-tpu: terminated (SIGTERM); nothing partial is read as complete" in \
+        procs[1].output()
+    assert ("[p0/2] stopping: process 1: ppgd-tpu: terminated (SIGTERM)" in procs[0].output()
+            and "Traceback" not in procs[0].output()), procs[0].output()[-3000:]
 
 
 def test_unreachable_coordinator_is_a_clear_error_not_a_hang():
