@@ -204,9 +204,9 @@ class Progress:
 
     def update(self, n: int, loss: float | None = None) -> None:
         if self.bar is not None:
-            self.bar.update(n)
-            if loss is not None:
+            if loss is not None:  # before the update, whose refresh then shows this loss
                 self.bar.set_postfix(loss=f"{loss:.3e}", refresh=False)
+            self.bar.update(n)
 
     def close(self) -> None:
         if self.bar is not None:

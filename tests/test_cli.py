@@ -426,3 +426,17 @@ def test_a_target_that_fails_validation_is_refused(tmp_path, capsys):
                        *TINY], capsys)
     assert rc == 2 and "failed validation" in err and "x_hat_i" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_the_progress_bar_shows_the_loss_of_the_step_it_reaches(capsys):
+    """Each log step's update shows that step's loss (it used to show the previous log
+    step's: the postfix was set after the update had already refreshed the bar)."""
+    from ppgd_tpu.metrics import Progress
+
+    bar = Progress(total=30, initial=0, enabled=True)
+    bar.bar.mininterval = 0  # refresh on every update
+    for step, loss in ((10, 1.0), (20, 2.0), (30, 3.0)):
+        bar.update(10, loss)
+        shown = capsys.readouterr().err.split("\r")[-1]
+        assert f"{step}/30" in shown and f"loss={loss:.3e}" in shown, shown
+    bar.close()
