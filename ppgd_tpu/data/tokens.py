@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import tensorstore as ts
 
+from ppgd_tpu import storage
+
 FORMAT = "ppgd_tpu.token_store"
 FORMAT_VERSION = 1
 ARRAY_DIR = "tokens"
@@ -269,26 +271,20 @@ def foreign_files(path: str) -> list[str]:
     """What at `path` a tokenize run would destroy that is not a token store's: files
     other than tokens/ (zarr.json, c/), meta.json of this format and COMPLETE. A writer
     replaces the store at its path, so it is refused anything else (a user's directory)."""
-    fs, p = fs_for(path)
-    if not fs.exists(p):
-        return []
-    names = {_name(fs, e): e for e in fs.ls(p, detail=True)}
-    foreign = [n for n in names if n not in (ARRAY_DIR, META_FILE, MARKER_FILE)]
+    names = storage.list_entries(path)
+    array = ARRAY_DIR + "/"
+    foreign = [n for n in names if n not in (array, META_FILE, MARKER_FILE)]
     if META_FILE in names:
         try:
-            ours = json.loads(fs.cat_file(_join(p, META_FILE))).get("format") == FORMAT
+            ours = json.loads(storage.read_bytes(_join(path, META_FILE))).get("format") == FORMAT
         except (ValueError, AttributeError, OSError):
             ours = False
         if not ours:
             foreign.append(f"{META_FILE} (not a token store's)")
-    if ARRAY_DIR in names:
-        foreign += [f"{ARRAY_DIR}/{n}" for n in (_name(fs, e) for e in fs.ls(
-            _join(p, ARRAY_DIR), detail=True)) if n not in ("zarr.json", "c")]
+    if array in names:
+        foreign += [array + n for n in storage.list_entries(_join(path, ARRAY_DIR))
+                    if n not in ("zarr.json", "c/")]
     return sorted(foreign)
-
-
-def _name(fs, entry: dict) -> str:
-    return entry["name"].rstrip("/").rsplit("/", 1)[-1]
 
 
 class TokenStoreWriter:
