@@ -187,6 +187,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     writer = metrics_lib.MetricsWriter(rd.path, enabled=dist.is_main(),
                                        tensorboard=cfg.log.tensorboard, resume_step=start)
     progress = metrics_lib.Progress(steps, start, cfg.log.progress and dist.is_main())
+    compiling = metrics_lib.CompileClock()
     t_last, s_last = time.perf_counter(), start
 
     def save(step, state):
@@ -210,8 +211,9 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                 values.update(metrics_lib.window_stats(window))
                 values["train/replay/window_position"] = s % k
                 values["train/replay/ci_updated"] = int(replay.ci_updated(s))
-                now = time.perf_counter()
-                values["train/perf/step_time_s"] = (now - t_last) / (done - s_last)
+                now, compile_s = time.perf_counter(), compiling.take()
+                values["train/perf/compile_s"] = compile_s
+                values["train/perf/step_time_s"] = (now - t_last - compile_s) / (done - s_last)
                 progress.update(done - s_last, values["train/loss/total"])
                 t_last, s_last, window = now, done, []
                 writer.write(done, values)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -49,6 +50,38 @@ def window_carry(window: list[dict]) -> list[dict]:
     statistics. One device fetch; a save syncs with the device anyway."""
     return [{k: v for k, v in to_host(m).items() if k.startswith(WINDOW_PREFIX)}
             for m in jax.device_get(window)]
+
+
+class CompileClock:
+    """Seconds JAX spent tracing, lowering and compiling since the last `take()`, from its
+    monitoring events: `train/perf/step_time_s` leaves them out (a window that compiled a
+    step variant or the eval would otherwise show the compile as step time), and
+    `train/perf/compile_s` shows them, 0 once every variant is compiled."""
+
+    _PREFIX = "/jax/core/compile/"
+    _lock = threading.Lock()
+    _seconds = 0.0
+    _listening = False
+
+    def __init__(self):
+        cls = CompileClock
+        with cls._lock:
+            if not cls._listening:  # JAX keeps listeners for the process's life
+                jax.monitoring.register_event_duration_secs_listener(cls._heard)
+                cls._listening = True
+        self.take()
+
+    @classmethod
+    def _heard(cls, event: str, seconds: float, **_) -> None:
+        if event.startswith(cls._PREFIX):
+            with cls._lock:
+                cls._seconds += seconds
+
+    def take(self) -> float:
+        """The seconds since the last call (or since construction), and restart."""
+        with CompileClock._lock:
+            seconds, CompileClock._seconds = CompileClock._seconds, 0.0
+        return seconds
 
 
 def _record(line: str) -> dict | None:

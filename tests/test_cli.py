@@ -224,6 +224,19 @@ def test_run_dir_holds_config_metrics_summary_figures(finished_run):
     assert {"ci_per_feature.png", "component_weights.png", "ci_histograms.png"} <= figs
 
 
+def test_step_time_leaves_out_the_compiles_which_compile_s_shows(finished_run):
+    """The first window compiles the step, the one after the first eval (step 30) the eval:
+    `compile_s` reports those seconds and `step_time_s` excludes them (it used to spread the
+    compile over the window's steps); no window after that compiles anything."""
+    train = [r for r in map(json.loads, open(finished_run / "metrics.jsonl"))
+             if "train/loss/total" in r]
+    first, after_eval, last = train
+    for r in (first, after_eval):
+        assert r["train/perf/compile_s"] > 20 * r["train/perf/step_time_s"] > 0, r
+    assert last["train/perf/compile_s"] == 0.0
+    assert last["train/perf/step_time_s"] > 0
+
+
 @pytest.mark.parametrize("name,n_layers,d_mlp", [("resid_mlp1", 1, 50), ("resid_mlp2", 2, 25)])
 def test_resid_mlp_config_trains_its_target_and_reports_its_site_metrics(tmp_path, name,
                                                                           n_layers, d_mlp):
