@@ -102,6 +102,12 @@ def read_bytes(path: str) -> bytes:
     return fs.cat_file(p)
 
 
+def read_range(path: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file (one ranged GET on gs://)."""
+    fs, p = _fs_and_path(path)
+    return fs.cat_file(p, start=start, end=end)
+
+
 def write_bytes(path: str, data: bytes) -> None:
     """Write a whole small file so that a reader sees all of it or nothing.
 

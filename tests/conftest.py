@@ -39,6 +39,20 @@ log: {every: 10, progress: false, tensorboard: false}
 """
 
 
+def bpe_tokenizer(path: str, docs: list[str], vocab_size: int) -> str:
+    """A byte-level BPE tokenizer.json trained on `docs`, with `<|endoftext|>` as its EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A real byte-tokenized store (rows of 17 tokens: 16 inputs + the next token), the tiny

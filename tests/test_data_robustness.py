@@ -6,6 +6,7 @@ written by `ppgd-tpu tokenize` and then damaged on disk, a real pretrain process
 mid-run.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -18,10 +19,11 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import TINY_YAML
+from conftest import TINY_YAML, bpe_tokenizer
 from ppgd_tpu import cli
 from ppgd_tpu.config import load
 from ppgd_tpu.data import tokens
+from ppgd_tpu.data.tokenize import HFTokenizer
 from ppgd_tpu.data.tokens import IncompleteStoreError, TokenStore
 from ppgd_tpu.targets import build, lm_pretrain
 
@@ -233,6 +235,35 @@ def test_weights_made_with_another_architecture_are_refused_naming_the_fields(
     rc, _, err = _run([*base, f"--target.path={toy}"], capsys)
     assert rc == 2 and f"{toy} holds a 'tms' target (per its metadata)" in err, err
     assert not run.exists()
+
+
+def test_a_store_from_another_tokenizer_than_the_lms_pretraining_is_refused(
+        corpus, lm_setup, tmp_path, capsys):
+    """Token ids mean tokens of one tokenizer: a pretrained LM records its store's
+    tokenizer, and a decomposition on a store of another one (a vocabulary small enough to
+    pass the size check) exits 2 naming data.store, before the run dir exists. The same
+    tokenizer.json at another path is the same tokenizer; weights from elsewhere (no
+    record) and pre-tokenized stores (tokenizer unknown) are not checked."""
+    docs = [open(f).read() for f in sorted(glob.glob(str(corpus["root"] / "*.txt")))]
+    bpe = bpe_tokenizer(str(tmp_path / "tokenizer.json"), docs, vocab_size=300)
+    store = str(tmp_path / "bpe_store")
+    assert _run(["tokenize", "--input", str(corpus["root"] / "*.txt"), "--output", store,
+                 "--seq_len", "17", "--tokenizer", bpe], capsys)[0] == 0
+    bpe_id = TokenStore.open(store).tokenizer_id
+    assert bpe_id.startswith("vocab-sha256:") and TokenStore.open(store).vocab_size <= 384
+    assert TokenStore.open(corpus["store"]).tokenizer_id == "byte"
+    run = tmp_path / "run"
+    rc, _, err = _run(["train", f"--config={corpus['config']}", f"--run_dir={run}",
+                       f"--target.path={corpus['target']}", f"--data.store={store}"], capsys)
+    assert rc == 2, err
+    assert (f"data.store: {store} was tokenized with another tokenizer ({bpe_id}) than the "
+            f"target at target.path {corpus['target']} was pretrained on (byte: byte)") in err
+    assert not run.exists()
+    copy = shutil.copy(bpe, tmp_path / "elsewhere.json")
+    assert HFTokenizer(str(copy)).id == bpe_id
+    build.check_tokenizer(corpus["target"], "byte", corpus["store"])
+    build.check_tokenizer(corpus["target"], None, "pretokenized")
+    build.check_tokenizer(lm_setup["target"], bpe_id, store)  # saved with no data record
 
 
 def test_a_resume_refuses_a_store_written_again_since_the_run_started(lm_setup, tmp_path,

@@ -7,6 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import bpe_tokenizer
 from ppgd_tpu.data import tokens
 from ppgd_tpu.data.tokenize import BYTE_EOS, ByteTokenizer, HFTokenizer, expand_inputs, main, stdlib_glob
 from ppgd_tpu.data.tokens import IncompleteStoreError, TokenStore, TokenStoreWriter
@@ -47,16 +48,10 @@ def test_byte_tokenizer_round_trip(tmp_path):
 
 
 def test_hf_tokenizer_json_round_trip(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(DOCS * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    path = str(tmp_path / "tokenizer.json")
-    tok.save(path)
+    path = bpe_tokenizer(str(tmp_path / "tokenizer.json"), DOCS * 20, vocab_size=400)
+    tok = Tokenizer.from_file(path)
     out = str(tmp_path / "store")
     assert main(["--input", _write_docs(tmp_path), "--output", out, "--seq_len", "4",
                  "--tokenizer", path]) == 0

@@ -31,7 +31,7 @@ from ppgd_tpu.config import Config, ConfigError
 from ppgd_tpu.data.schedule import BatchSchedule, train_eval_schedules
 from ppgd_tpu.data.tokens import DamagedStoreError, IncompleteStoreError, TokenStore
 from ppgd_tpu.data.toy import ToyData
-from ppgd_tpu.targets import llama_simple_mlp
+from ppgd_tpu.targets import build, llama_simple_mlp
 
 LM_KINDS = ToyData.LM_KINDS
 
@@ -64,6 +64,8 @@ class LMData:
             raise ConfigError(f"data.store: {e}") from None
         llama_simple_mlp.check_tokens(cfg.target.llama_simple_mlp, self.store.vocab_size,
                                       self.store.seq_len - 1, f"the token store at {d.store}")
+        if cfg.target.path:
+            build.check_tokenizer(cfg.target.path, self.store.tokenizer_id, d.store)
         n, B, B_eval = self.store.n_rows, d.batch_size, cfg.eval.batch_size
         n_proc = jax.process_count()
         if B % n_proc:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -48,6 +50,7 @@ class ByteTokenizer:
     name: str = "byte"
     vocab_size: int = BYTE_VOCAB_SIZE
     eos_id: int = BYTE_EOS
+    id: str = "byte"
 
     def encode(self, docs: list[bytes]) -> list[np.ndarray]:
         return [np.frombuffer(d, np.uint8) for d in docs]
@@ -75,6 +78,9 @@ class HFTokenizer:
             raise TokenizeError(f"--tokenizer {path}: has none of the end-of-document tokens "
                                 f"{list(EOS_NAMES)}; add one to the tokenizer")
         self.eos_id = eos[0]
+        # What the ids mean, wherever the file lives: a hash of the token -> id map.
+        vocab = json.dumps(sorted(self._tok.get_vocab(with_added_tokens=True).items()))
+        self.id = "vocab-sha256:" + hashlib.sha256(vocab.encode()).hexdigest()
 
     def encode(self, docs: list[bytes]) -> list[np.ndarray]:
         texts = [d.decode("utf-8", errors="replace") for d in docs]
@@ -195,7 +201,7 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
     if any(parquet) and not all(parquet):
         raise TokenizeError("--input mixes parquet and text files; tokenize them separately")
     if all(parquet):
-        tok_name = "pretokenized"
+        tok_name, tok_id = "pretokenized", None  # which tokenizer made them is not known
         vocab = vocab_size if vocab_size is not None else _parquet_vocab_size(files)
         if eos_id is not None:
             vocab = max(vocab, eos_id + 1)
@@ -203,14 +209,15 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
         documents = functools.partial(_parquet_stream, files)
     else:
         tok = load_tokenizer(tokenizer)
-        tok_name, vocab, eos = tok.name, tok.vocab_size, tok.eos_id
+        tok_name, vocab, eos, tok_id = tok.name, tok.vocab_size, tok.eos_id, tok.id
         if vocab_size is not None or eos_id is not None:
             raise TokenizeError("--vocab_size and --eos_id apply to parquet input only; "
                                 "text input takes them from --tokenizer")
         documents = functools.partial(_text_documents, files, tok)
     try:
         writer = TokenStoreWriter(output, seq_len=seq_len, vocab_size=vocab, eos_id=eos,
-                                  info={"tokenizer": tok_name, "source": list(inputs),
+                                  info={"tokenizer": tok_name, "tokenizer_id": tok_id,
+                                        "source": list(inputs),
                                         "n_files": len(files)})
     except ValueError as e:
         raise TokenizeError(str(e)) from e

@@ -6,7 +6,8 @@ Layout under STORE (a local path or gs://bucket/prefix):
     tokens/       zarr3 array (tensorstore), sharded: one shard file per block of rows,
                   one inner chunk per row, so a random row costs one byte-range read
     meta.json     vocab_size, seq_len, n_rows, dtype, eos_id, tokenizer, source, counts,
-                  `store_id` (drawn per tokenize run: run dirs record it),
+                  `store_id` (drawn per tokenize run: run dirs record it), `tokenizer_id`
+                  (what the ids mean: LM targets pretrained on it record it),
                   and `array_files`: the size of every file under tokens/ as written
     COMPLETE      written last; a store without it is refused ("re-run tokenize")
 
@@ -238,6 +239,12 @@ class TokenStore:
         """Drawn by each tokenize run (None for stores from before it): a rewrite of the
         store at the same path has another one."""
         return self.meta.get("store_id")
+
+    @property
+    def tokenizer_id(self) -> str | None:
+        """What its ids mean: `byte`, or a hash of a tokenizer.json's vocabulary (None for
+        pre-tokenized input and stores from before it)."""
+        return self.meta.get("tokenizer_id")
 
     def read_rows(self, row_ids: np.ndarray) -> np.ndarray:
         """Rows `row_ids` (any order, repeats allowed) as `[len(row_ids), seq_len]`, in that

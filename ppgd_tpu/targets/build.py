@@ -87,12 +87,16 @@ def pretrain(cfg: TargetConfig) -> Target:
     return eqx.combine(params, static)
 
 
-def save(target: Target, cfg: TargetConfig, path: str) -> None:
-    """Writes safetensors + the target config (metadata), atomically, locally or on gs://."""
+def save(target: Target, cfg: TargetConfig, path: str, data: dict | None = None) -> None:
+    """Writes safetensors + the target config (metadata), atomically, locally or on gs://.
+    `data`: what an LM was pretrained on (its token store's tokenizer and id), which
+    `check_tokenizer` holds a decomposition's store to."""
     mod, _ = _kind(cfg)
     tensors = {k: np.asarray(v) for k, v in mod.state_dict(target).items()}
-    storage.write_bytes(path, safetensors_numpy.save(
-        tensors, metadata={"target": json.dumps(to_dict(cfg))}))
+    metadata = {"target": json.dumps(to_dict(cfg))}
+    if data is not None:
+        metadata["data"] = json.dumps(data)
+    storage.write_bytes(path, safetensors_numpy.save(tensors, metadata=metadata))
 
 
 def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
@@ -106,7 +110,7 @@ def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
         sd = safetensors_numpy.load(blob)
     except Exception as e:  # safetensors raises several types for a damaged header
         raise TargetError(f"{what}: {path} is not a readable safetensors file ({e})") from None
-    _check_recorded_config(cfg, _recorded_config(blob), path, what)
+    _check_recorded_config(cfg, _recorded(blob, "target"), path, what)
     template = jax.eval_shape(lambda: mod.state_dict(mod.init(sub, jax.random.key(0))))
     problems = [f"missing tensor {k!r} (expected shape {tuple(v.shape)})"
                 for k, v in template.items() if k not in sd]
@@ -119,15 +123,36 @@ def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
     return mod.from_state_dict(sub, {k: v.astype(np.float32) for k, v in sd.items()})
 
 
-def _recorded_config(blob: bytes) -> dict | None:
-    """The target config `save` wrote into a safetensors file's metadata (None for files
-    from elsewhere). The header: a little-endian u64 length, then that much JSON."""
+def _recorded(head: bytes, name: str) -> dict | None:
+    """The dict `save` wrote as metadata entry `name` ("target": the config, "data": what
+    an LM was pretrained on) into a safetensors file starting with `head`; None for files
+    from elsewhere. The header: a little-endian u64 length, then that much JSON."""
     try:
-        header = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
-        recorded = json.loads(header.get("__metadata__", {}).get("target", "null"))
+        header = json.loads(head[8:8 + int.from_bytes(head[:8], "little")])
+        recorded = json.loads(header.get("__metadata__", {}).get(name, "null"))
     except (ValueError, AttributeError):
         return None
     return recorded if isinstance(recorded, dict) else None
+
+
+def check_tokenizer(path: str, tokenizer_id: str | None, store: str) -> None:
+    """Refuses a token store whose ids mean other tokens than the ones the LM at `path` was
+    pretrained on (same vocabulary size or not); passes when either side does not know its
+    tokenizer (pre-tokenized input, weights from elsewhere). Reads the file's header only."""
+    try:
+        size = int.from_bytes(storage.read_range(path, 0, 8), "little")
+        head = storage.read_range(path, 0, 8 + size)
+    except (OSError, ValueError):
+        return  # load() names what is wrong with the file
+    data = _recorded(head, "data") or {}
+    pretrained = data.get("tokenizer_id")
+    if tokenizer_id and pretrained and tokenizer_id != pretrained:
+        raise ConfigError(
+            f"data.store: {store} was tokenized with another tokenizer ({tokenizer_id}) than "
+            f"the target at target.path {path} was pretrained on ({data.get('tokenizer')}: "
+            f"{pretrained}), "
+            "so its ids are other tokens to the target; tokenize the data with that "
+            "tokenizer (`ppgd-tpu tokenize --tokenizer ...`)")
 
 
 def _check_recorded_config(cfg: TargetConfig, recorded: dict | None, path: str,

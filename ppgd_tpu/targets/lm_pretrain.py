@@ -143,7 +143,9 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
                     logging.info("pretrain step %d: eval loss %.4f", done, ev["eval/loss"])
         bar.close()
         build.check(target, cfg)
-        build.save(target, cfg, output)
+        build.save(target, cfg, output, data={
+            "store": store_path, "store_id": store.store_id,
+            "tokenizer": store.meta.get("tokenizer"), "tokenizer_id": store.tokenizer_id})
         # The weights are in place: now their log replaces the previous run's.
         if remote:
             with open(partial, "rb") as f:
