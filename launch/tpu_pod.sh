@@ -311,7 +311,7 @@ wait_ready() {
     if [[ $qstate == ACTIVE ]]; then
       case $POD_STATE in
         READY) note "TPU $TPU is READY with $POD_WORKERS worker(s)"; return 0 ;;
-        CREATING|STARTING|RESTARTING|REPAIRING|NOT_FOUND) ;;
+        CREATING|STARTING|RESTARTING|REPAIRING|REIMAGING|NOT_FOUND) ;;
         *) die "TPU $TPU is $POD_STATE; it will not become READY (delete it, or use watch)" ;;
       esac
     fi
@@ -594,7 +594,7 @@ ensure_pod() {
   case $qstate/$POD_STATE in
     /READY|ACTIVE/READY) ACTION=reuse ;;
     NOT_FOUND/NOT_FOUND|/NOT_FOUND) ACTION=create ;;
-    WAITING_FOR_RESOURCES/*|PROVISIONING/*|ACCEPTED/*|CREATING/*|*/CREATING|*/STARTING|*/RESTARTING|*/REPAIRING)
+    WAITING_FOR_RESOURCES/*|PROVISIONING/*|ACCEPTED/*|CREATING/*|*/CREATING|*/STARTING|*/RESTARTING|*/REPAIRING|*/REIMAGING)
       ACTION="wait"; wait_ready ;;
     *) ACTION=recreate; note "TPU $TPU is ${qstate:+$qstate/}$POD_STATE: deleting and recreating it"; delete_pod ;;
   esac

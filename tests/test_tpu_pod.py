@@ -380,14 +380,15 @@ def test_watch_recreates_a_preempted_pod_and_reruns_the_same_command(tmp_path):
     assert uploaded.read_text().splitlines() == lines
 
 
-def test_watch_sets_up_a_pod_it_did_not_create_unless_it_has_the_package(tmp_path):
-    """A pod still CREATING when watch starts (made elsewhere, or by an earlier attempt whose
-    setup failed) is waited for and then set up before training; a READY one that has the
-    package is only checked."""
+@pytest.mark.parametrize("state", ["CREATING", "REIMAGING"])
+def test_watch_sets_up_a_pod_it_did_not_create_unless_it_has_the_package(tmp_path, state):
+    """A pod still CREATING (or being reimaged) when watch starts (made elsewhere, or by an
+    earlier attempt whose setup failed) is waited for, not recreated, and then set up before
+    training; a READY one that has the package is only checked."""
     pkg = wheel(tmp_path)
     args = ["watch", *BASE, "--run_dir", "gs://b/r", "--accelerator-type", "v4-8",
             "--package", str(pkg), "--", "x"]
-    r = Launch(tmp_path, args, {"workers": 2, "state": "CREATING", "ready_after_describes": 1},
+    r = Launch(tmp_path, args, {"workers": 2, "state": state, "ready_after_describes": 1},
                env={"TPU_POD_POLL_S": "1"})
     assert r.rc == 0, r.err
     assert "attempt=1 pod=wait" in r.err and "ppgd-tpu is not installed" in r.err
