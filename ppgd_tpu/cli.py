@@ -13,7 +13,6 @@ import importlib
 import logging as std_logging
 import os
 import re
-import signal
 import sys
 import traceback
 import typing
@@ -22,6 +21,7 @@ from typing import Literal
 from absl import flags, logging
 
 from ppgd_tpu import config as config_lib
+from ppgd_tpu import signals
 from ppgd_tpu.config import ConfigError
 
 USAGE = """usage: ppgd-tpu <command> [flags]
@@ -332,46 +332,50 @@ def run(argv: list[str]) -> int:
         raise
 
 
-class Terminated(BaseException):
-    """SIGTERM before a run's loop (which then stops cleanly on it itself, [C5])."""
-
-
-def _terminated(signum, frame) -> None:
-    raise Terminated
+AGAIN = "nothing partial is read as complete: re-run the same command to start or resume"
 
 
 def _end(code: int, message: str) -> None:
     """Exits with `code` after `message`; in a multi-process job first tells the other
     processes (dist.report_failure), and skips the exit barrier they would never reach."""
-    from ppgd_tpu import dist
-
     print(message, file=sys.stderr, flush=True)
-    if dist.process_count() > 1:
+    dist = sys.modules.get("ppgd_tpu.dist")  # None: single-process, or JAX failed to import
+    if dist is not None and dist.process_count() > 1:
         dist.report_failure(message.splitlines()[-1])
         os._exit(code)
     sys.exit(code)
 
 
-def main() -> None:
+def _interrupted() -> None:
+    """Ends a command that a signal stopped before a run's loop (which stops cleanly on
+    one itself [C5])."""
+    name = signals.seen[0]
+    _end(143 if name == "SIGTERM" else 130,
+         f"ppgd-tpu: {'terminated' if name == 'SIGTERM' else 'interrupted'} ({name}); {AGAIN}")
+
+
+def _setup() -> None:
     from ppgd_tpu import cache, cpu_runtime
 
-    signal.signal(signal.SIGTERM, _terminated)
-
     cpu_runtime.keep_step_buffers()
-    cache.enable_compile_cache()
+    cache.enable_compile_cache()  # imports JAX
     flags.FLAGS.mark_as_parsed()  # ours parse per command; absl's own need only defaults
     logging.set_verbosity(logging.INFO)
     logging.use_absl_handler()
     if cpu_runtime.computes_on_cpu():  # no accelerator plugin: JAX's TPU probe must fail
         std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
-    again = "nothing partial is read as complete: re-run the same command to start or resume"
+
+
+def main() -> None:
+    signals.install()  # again: `python -m ppgd_tpu.cli` does not go through __main__
     try:
+        _setup()
         code = run(sys.argv[1:])
-    except KeyboardInterrupt:  # before a run's loop (which stops cleanly on SIGINT itself)
-        _end(130, f"ppgd-tpu: interrupted (SIGINT); {again}")
-    except Terminated:
-        _end(143, f"ppgd-tpu: terminated (SIGTERM); {again}")
+    except (KeyboardInterrupt, signals.Terminated):
+        _interrupted()
     except Exception as e:
+        if signals.seen:  # the signal's raise, turned into another error (an import's)
+            _interrupted()
         _end(1, f"{traceback.format_exc()}ppgd-tpu: failed: {type(e).__name__}: {e}")
     sys.exit(code)
 

@@ -59,6 +59,8 @@ from typing import Any
 import jax
 from absl import logging
 
+from ppgd_tpu import signals as startup_signals
+
 ENV_COORDINATOR_ADDRESS = "PPGD_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "PPGD_NUM_PROCESSES"
 ENV_PROCESS_ID = "PPGD_PROCESS_ID"
@@ -422,7 +424,8 @@ class StopSignal:
         self._decision: int | None = None  # agreed call (same everywhere)
         self._error: BaseException | None = None
         self._closed = False
-        self.signals_received: list[str] = []  # names of every signal seen, in order
+        # names of every signal seen, in order; from those whose raise start-up lost too
+        self.signals_received: list[str] = list(startup_signals.seen)
         self.reason: str | None = None  # e.g. "SIGTERM on p1", once known here
         self.stop_step: int | None = None  # the `step` passed when should_stop said True
         self._previous = {s: signal.signal(s, self._handle) for s in signals}

@@ -2,6 +2,7 @@
 
     python tests/dist_worker.py collectives      # print cross-process results as JSON
     python tests/dist_worker.py loop             # toy training loop with StopSignal [C5]
+    python tests/dist_worker.py lost_raise       # a start-up SIGINT whose raise is lost
 
 Bring-up comes from the PPGD_* environment, exactly as under `ppgd-tpu launch-local`.
 Lines starting with RESULT carry JSON for the test to check.
@@ -102,5 +103,33 @@ def loop():
            signals=stop.signals_received, reason=stop.reason)
 
 
+def lost_raise():
+    """A SIGINT that arrives during a gc callback before the loop (JAX registers one): the
+    handler's raise is ignored there, yet the StopSignal stops at its first boundary."""
+    import gc
+    import os
+    import signal
+
+    from ppgd_tpu import signals
+
+    signals.install()
+    fired = []
+
+    def signal_during_gc(phase, info):
+        if not fired:
+            fired.append(phase)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # the handler runs in this frame: its raise is lost
+
+    gc.callbacks.append(signal_during_gc)
+    gc.collect()
+    gc.callbacks.remove(signal_during_gc)
+    print(f"STILL RUNNING after {signals.seen}", flush=True)
+    dist.initialize()
+    with dist.StopSignal() as stop:
+        result(first_call_stops=stop.should_stop(0), reason=stop.reason)
+
+
 if __name__ == "__main__":
-    {"collectives": collectives, "loop": loop}[sys.argv[1]](*sys.argv[2:])
+    {"collectives": collectives, "loop": loop, "lost_raise": lost_raise}[sys.argv[1]](
+        *sys.argv[2:])

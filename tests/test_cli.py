@@ -315,6 +315,42 @@ def test_ctrl_c_before_the_loop_exits_130_without_a_traceback(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("name,after", [
+    ("SIGINT", "numpy._core._multiarray_umath"), ("SIGTERM", "numpy._core._multiarray_umath"),
+    ("SIGINT", "jaxlib.mlir._mlir_libs._mlir"), ("SIGTERM", "jax._src.lib"),
+    ("SIGINT", "tensorstore")])
+def test_a_signal_during_the_imports_exits_with_one_line(tmp_path, name, after):
+    """A real signal sent while the CLI still imports (`-X importtime` reports each import as
+    it finishes; the one around it is still running): exit 130/143 with one line. Raised
+    inside an import it used to print a traceback, come out as an ImportError (exit 1) or
+    abort the process; raised in JAX's gc callback it was ignored and the run went on."""
+    run_dir = tmp_path / "r"
+    cmd = [sys.executable, "-X", "importtime", "-m", "ppgd_tpu", "train",
+           f"--run_dir={run_dir}", "--log.progress=false"]
+    env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache")}
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the test above
+    try:
+        p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                             env=env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = []
+    try:
+        for line in p.stderr:
+            err.append(line)
+            if line.startswith("import time:") and line.split("|")[-1].strip() == after:
+                p.send_signal(getattr(signal, name))
+                break
+        err.append(p.communicate(timeout=300)[1])
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = [ln for ln in "".join(err).splitlines() if not ln.startswith("import time:")]
+    assert p.returncode == (143 if name == "SIGTERM" else 130), err
+    assert len(err) == 1 and err[0].startswith("ppgd-tpu: ") and name in err[0], err
+    assert not run_dir.exists()
+
+
 def test_load_decomposition_returns_numpy_components(finished_run):
     d = load_decomposition(str(finished_run))
     assert set(d) == {"linear1", "linear2"}

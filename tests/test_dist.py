@@ -137,6 +137,13 @@ def test_C5_single_process_uses_the_same_stop_signal(start):
     assert r["signals"] == ["SIGTERM", "SIGINT"]
 
 
+def test_C5_a_signal_whose_start_up_raise_was_lost_still_stops_the_run(start):
+    (p,) = start("lost_raise", processes=1, devices=1)
+    assert p.finish() == 0, p.output()
+    assert "STILL RUNNING after ['SIGINT']" in p.output() and "Traceback" not in p.output()
+    assert p.result() == {"first_call_stops": True, "reason": "SIGINT on p0"}
+
+
 def test_a_process_that_ends_early_takes_the_others_with_it_naming_why(tmp_path):
     """SIGTERM to process 1 alone while the run is still building its target (before the
     loop, which would save and stop cleanly): it exits 143 saying so, and process 0, which

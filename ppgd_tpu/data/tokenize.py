@@ -28,7 +28,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from ppgd_tpu import storage
+from ppgd_tpu import signals, storage
 from ppgd_tpu.data.tokens import StoreWriteError, TokenStoreWriter, foreign_files, fs_for
 
 BYTE_EOS = 256
@@ -224,6 +224,7 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
 
     bar = tqdm(total=len(files), unit="file", disable=not sys.stderr.isatty())
     for ids in documents(bar):
+        signals.raise_if_seen()
         room = max_tokens - writer.n_tokens if max_tokens is not None else ids.size + 1
         if room <= 0:
             break

@@ -28,7 +28,7 @@ import optax
 from absl import logging
 
 from ppgd_tpu import metrics as metrics_lib
-from ppgd_tpu import storage
+from ppgd_tpu import signals, storage
 from ppgd_tpu.config import ConfigError, TargetConfig
 from ppgd_tpu.data.schedule import train_eval_schedules
 from ppgd_tpu.data.tokens import DamagedStoreError, IncompleteStoreError, TokenStore
@@ -125,6 +125,7 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
 
             write({"step": 0, "eval/loss": evaluate(target)})
             for s in range(pc.steps):
+                signals.raise_if_seen()
                 rows = read(train.rows(s))
                 target, opt_state, loss, gnorm = step(target, opt_state, rows)
                 done = s + 1

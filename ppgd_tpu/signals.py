@@ -1,0 +1,77 @@
+"""SIGINT/SIGTERM before a run's loop: stop at once, and never lose the signal.
+
+The CLI's handler raises (KeyboardInterrupt, or Terminated for SIGTERM) so that start-up
+(target pretraining, compiles) stops at once. Two places cannot take a raise:
+- an import: an extension initialising (numpy, jaxlib) turns it into an ImportError with a
+  printed traceback, or aborts the process. A signal that arrives during an import is
+  delivered again (`_thread.interrupt_main`) as soon as the main thread has left it.
+- a gc callback (JAX registers one): Python ignores an exception raised there. So the
+  handler records every signal in `seen`: `dist.StopSignal` starts with it (the run then
+  stops at its first step boundary [C5]), loops without a StopSignal call `raise_if_seen`,
+  and the CLI reports an error that follows a signal as the interruption it is.
+Stdlib only: the handler is installed before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import _thread
+import signal
+import sys
+import threading
+import time
+
+seen: list[str] = []  # names of the signals the handler took, in order
+_redelivering: set[int] = set()  # signals put off until the main thread leaves an import
+
+
+class Terminated(BaseException):
+    """SIGTERM before a run's loop (as KeyboardInterrupt is SIGINT's)."""
+
+
+def _importing(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _redeliver(signum: int) -> None:
+    """Thread: once the main thread has left its imports, the signal again."""
+    main = threading.main_thread().ident
+    while _importing(sys._current_frames().get(main)):
+        time.sleep(0.01)
+    _thread.interrupt_main(signum)
+
+
+def _raise(signum: int, frame) -> None:
+    if signum in _redelivering:  # the same signal, delivered again
+        _redelivering.discard(signum)
+    else:
+        seen.append(signal.Signals(signum).name)
+    if _importing(frame):
+        _redelivering.add(signum)
+        threading.Thread(target=_redeliver, args=(signum,), daemon=True).start()
+        return
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
+def install() -> None:
+    """From the main thread, first thing: SIGINT and SIGTERM raise (and are recorded), and
+    a raise that Python ignores is not printed as a traceback (it is not lost: `seen`)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _raise)
+    if sys.unraisablehook is not _quiet:
+        _quiet.previous = sys.unraisablehook
+        sys.unraisablehook = _quiet
+
+
+def _quiet(unraisable) -> None:
+    if not isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
+        _quiet.previous(unraisable)
+
+
+def raise_if_seen() -> None:
+    """At a safe point of a loop that has no StopSignal: raise a signal whose raise was lost."""
+    if seen:
+        raise Terminated if seen[0] == "SIGTERM" else KeyboardInterrupt
