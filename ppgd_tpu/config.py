@@ -89,6 +89,8 @@ class LMPretrainConfig:
     eval_batches: int = _f(4, "eval batches per eval (of batch_size rows, cycling the held-out rows)", lo=1)
     eval_every: int = _f(500, "eval cadence in steps (and at the end)", lo=1)
     log_every: int = _f(50, "metrics.jsonl cadence in steps", lo=1)
+    checkpoint_every: int = _f(500, "resume-state cadence in steps (0 = only on a stop signal)",
+                               lo=0)
 
 
 @dataclass(frozen=True)

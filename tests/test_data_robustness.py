@@ -9,6 +9,7 @@ mid-run.
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from safetensors import numpy as safetensors_numpy
 
 from conftest import TINY_YAML, bpe_tokenizer
 from ppgd_tpu import cli
@@ -366,11 +368,13 @@ def test_a_killed_pretrain_rerun_keeps_the_previous_weights_and_their_log(
     assert json.loads(metrics.splitlines()[-1])["step"] == 30
     assert not os.path.exists(log + ".partial")
 
-    # The same output again, a run long enough to be killed while it trains.
+    # The same output again, a run long enough to be killed while it trains (with no resume
+    # state, which the next test covers: a state of steps=1000000 would refuse steps=20).
     proc = subprocess.Popen(
         [sys.executable, "-m", "ppgd_tpu.cli", "pretrain", *base,
          "--target.llama_simple_mlp.pretrain.steps=1000000",
-         "--target.llama_simple_mlp.pretrain.log_every=1"],
+         "--target.llama_simple_mlp.pretrain.log_every=1",
+         "--target.llama_simple_mlp.pretrain.checkpoint_every=0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     partial = log + ".partial"
     deadline = time.monotonic() + 300
@@ -397,6 +401,57 @@ def test_a_killed_pretrain_rerun_keeps_the_previous_weights_and_their_log(
     steps = [json.loads(x)["step"] for x in open(log)]
     assert steps[-1] == 20 and open(out, "rb").read() != weights
     assert not os.path.exists(partial)
+
+
+def test_a_pretrain_stopped_by_sigterm_resumes_to_the_weights_and_log_of_a_straight_run(
+        lm_setup, tmp_path, capsys):
+    """A real SIGTERM mid-run saves the resume state at the last completed step (exit 143);
+    the same command continues from it, exactly: the weights and the log equal a straight
+    run's. A resume with another trajectory field is refused naming it, keeping the state;
+    the finished run deletes it."""
+    def args(out, *more):
+        return [f"--config={lm_setup['config']}", f"--store={lm_setup['store']}",
+                f"--output={out}", "--target.llama_simple_mlp.pretrain.steps=300",
+                "--target.llama_simple_mlp.pretrain.log_every=1",
+                "--target.llama_simple_mlp.pretrain.eval_every=100", *more]
+
+    straight = str(tmp_path / "straight.safetensors")
+    assert _run(["pretrain", *args(straight)], capsys)[0] == 0
+    out = str(tmp_path / "lm.safetensors")
+    state = lm_pretrain.resume_path(out)
+    proc = subprocess.Popen([sys.executable, "-m", "ppgd_tpu", "pretrain", *args(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    partial = lm_pretrain.partial_metrics_path(out)
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists(partial) and open(partial).read().count("train/loss") >= 3:
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.01)
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    stopped = int(re.search(r"pretraining stopped at step (\d+); ", err).group(1))
+    assert 3 <= stopped < 300 and os.path.exists(state) and not os.path.exists(out), err
+
+    rc, _, err = _run(["pretrain", *args(out, "--target.llama_simple_mlp.pretrain.lr=0.02")],
+                      capsys)
+    assert rc == 2 and "target.llama_simple_mlp.pretrain.lr: 0.01 there, 0.02 here" in err, err
+    assert os.path.exists(state)
+
+    rc, printed, err = _run(["pretrain", *args(out)], capsys)
+    assert rc == 0, err
+    assert f"resuming the pretraining at step {stopped} from {state}" in printed
+    assert not os.path.exists(state)
+    got, want = safetensors_numpy.load_file(out), safetensors_numpy.load_file(straight)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert open(lm_pretrain.metrics_path(out)).read() == open(
+        lm_pretrain.metrics_path(straight)).read()
 
 
 def test_on_gcs_the_sizes_are_recorded_and_checked_and_the_log_goes_with_the_weights(

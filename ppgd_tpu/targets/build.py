@@ -110,7 +110,7 @@ def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
         sd = safetensors_numpy.load(blob)
     except Exception as e:  # safetensors raises several types for a damaged header
         raise TargetError(f"{what}: {path} is not a readable safetensors file ({e})") from None
-    _check_recorded_config(cfg, _recorded(blob, "target"), path, what)
+    _check_recorded_config(cfg, recorded(blob, "target"), path, what)
     template = jax.eval_shape(lambda: mod.state_dict(mod.init(sub, jax.random.key(0))))
     problems = [f"missing tensor {k!r} (expected shape {tuple(v.shape)})"
                 for k, v in template.items() if k not in sd]
@@ -123,7 +123,7 @@ def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
     return mod.from_state_dict(sub, {k: v.astype(np.float32) for k, v in sd.items()})
 
 
-def _recorded(head: bytes, name: str) -> dict | None:
+def recorded(head: bytes, name: str) -> dict | None:
     """The dict `save` wrote as metadata entry `name` ("target": the config, "data": what
     an LM was pretrained on) into a safetensors file starting with `head`; None for files
     from elsewhere. The header: a little-endian u64 length, then that much JSON."""
@@ -144,7 +144,7 @@ def check_tokenizer(path: str, tokenizer_id: str | None, store: str) -> None:
         head = storage.read_range(path, 0, 8 + size)
     except (OSError, ValueError):
         return  # load() names what is wrong with the file
-    data = _recorded(head, "data") or {}
+    data = recorded(head, "data") or {}
     pretrained = data.get("tokenizer_id")
     if tokenizer_id and pretrained and tokenizer_id != pretrained:
         raise ConfigError(
@@ -155,18 +155,18 @@ def check_tokenizer(path: str, tokenizer_id: str | None, store: str) -> None:
             "tokenizer (`ppgd-tpu tokenize --tokenizer ...`)")
 
 
-def _check_recorded_config(cfg: TargetConfig, recorded: dict | None, path: str,
+def _check_recorded_config(cfg: TargetConfig, saved: dict | None, path: str,
                            what: str) -> None:
     """Weights are only the target together with the architecture they were trained in:
     other heads or another rope base read the same tensors as another function."""
-    if recorded is None:
+    if saved is None:
         return
-    kind = recorded.get("kind")
+    kind = saved.get("kind")
     if kind != cfg.kind:
         raise TargetError(f"{what}: {path} holds a {kind!r} target (per its metadata), not "
                           f"target.kind {cfg.kind!r}; set --target.kind={kind} and its config")
     mod, sub = _kind(cfg)
-    stored = recorded.get(cfg.kind) or {}
+    stored = saved.get(cfg.kind) or {}
     differ = [f"target.{cfg.kind}.{f}: {getattr(sub, f)!r} here, {stored[f]!r} in the file"
               for f in mod.ARCHITECTURE if f in stored and stored[f] != getattr(sub, f)]
     if differ:

@@ -11,6 +11,11 @@ The log and the weights go together: the log is written as `<log>.partial` while
 and moved to its name only once the weights are saved, so a run that dies (killed,
 diverged, refused) leaves the previous run's weights AND log in place, and its own progress
 in the .partial file.
+Resume: every `checkpoint_every` steps, and on SIGINT/SIGTERM, the weights, the optimizer
+state and the log so far go to `<output stem>.resume.safetensors` (one atomic write). The
+same command again continues from there, exactly (batch j is a pure function of (seed, j));
+it refuses a state of another config (but the cadences) or another store. The finished run
+deletes it.
 Single-process: every process of a multi-host launch would train the same model.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 
 import equinox as eqx
@@ -26,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from safetensors import numpy as safetensors_numpy
 
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu import signals, storage
-from ppgd_tpu.config import ConfigError, TargetConfig
+from ppgd_tpu.config import ConfigError, TargetConfig, to_dict
 from ppgd_tpu.data.schedule import train_eval_schedules
 from ppgd_tpu.data.tokens import DamagedStoreError, IncompleteStoreError, TokenStore
 from ppgd_tpu.targets import build
@@ -49,6 +56,72 @@ def metrics_path(output: str) -> str:
 def partial_metrics_path(output: str) -> str:
     """Where the log of a run in progress is written (local outputs: next to the output)."""
     return metrics_path(output) + ".partial"
+
+
+def resume_path(output: str) -> str:
+    """Where an interrupted pretraining keeps its state (next to the output)."""
+    return os.path.splitext(output)[0] + ".resume.safetensors"
+
+
+CADENCES = ("log_every", "eval_every", "checkpoint_every")  # a resume may change these
+
+
+def _trajectory(cfg: TargetConfig) -> dict:
+    """The flat config a resume must match: every field but the cadences."""
+    flat = {}
+
+    def walk(prefix, d):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(f"{prefix}{k}.", v)
+            elif not (prefix.endswith("pretrain.") and k in CADENCES):
+                flat[prefix + k] = v
+
+    walk("target.", to_dict(cfg))
+    return flat
+
+
+def _save_state(path: str, done: int, target, opt_state, log_text: str, cfg: TargetConfig,
+                store_id: str | None) -> None:
+    tensors = {f"target/{k}": np.asarray(v) for k, v in lm.state_dict(target).items()}
+    tensors.update({f"opt/{i}": np.asarray(v)
+                    for i, v in enumerate(jax.tree.leaves(opt_state))})
+    state = {"step": done, "config": _trajectory(cfg), "store_id": store_id, "log": log_text}
+    storage.write_bytes(path, safetensors_numpy.save(
+        tensors, metadata={"resume": json.dumps(state)}))
+
+
+def _load_state(path: str, cfg: TargetConfig, store: TokenStore, store_path: str, opt_state):
+    """(step, target, optimizer state, log text) of the state an interrupted run left."""
+    blob = storage.read_bytes(path)
+    state = build.recorded(blob, "resume")
+    try:
+        tensors = safetensors_numpy.load(blob)
+    except Exception:  # safetensors raises several types for a damaged file
+        state = None
+    if state is None:
+        raise ConfigError(f"--output: {path} (the resume state of an interrupted pretrain) "
+                          "is damaged; delete it to start over")
+    here = _trajectory(cfg)
+    differ = [f"{k}: {state['config'].get(k)!r} there, {here.get(k)!r} here"
+              for k in sorted(set(here) | set(state["config"]))
+              if state["config"].get(k) != here.get(k)]
+    if differ:
+        raise ConfigError(
+            f"--output: {path} holds an interrupted pretraining of another config ("
+            + "; ".join(differ) + "); re-run that config to finish it, or delete the file "
+            "to start this one")
+    if state["store_id"] != store.store_id:
+        raise ConfigError(
+            f"--store: {store_path} is not the store the interrupted pretraining in {path} "
+            "trained on (another tokenize run); pass that store, or delete the file to "
+            "start over")
+    target = lm.from_state_dict(cfg.llama_simple_mlp, {
+        k[len("target/"):]: v for k, v in tensors.items() if k.startswith("target/")})
+    leaves, treedef = jax.tree.flatten(opt_state)
+    opt_state = jax.tree.unflatten(treedef, [jnp.asarray(tensors[f"opt/{i}"])
+                                             for i in range(len(leaves))])
+    return state["step"], target, opt_state, state["log"]
 
 
 def _optimizer(cfg: TargetConfig) -> optax.GradientTransformation:
@@ -96,6 +169,11 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
     target = lm.init(lcfg, jax.random.key(cfg.seed))
     opt = _optimizer(cfg)
     opt_state = opt.init(target)
+    state_path, start, log_text = resume_path(output), 0, ""
+    if storage.exists(state_path):
+        start, target, opt_state, log_text = _load_state(state_path, cfg, store, store_path,
+                                                         opt_state)
+        print(f"resuming the pretraining at step {start} from {state_path}")
 
     @eqx.filter_jit
     def step(target, opt_state, rows):
@@ -115,33 +193,51 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
     else:
         partial = partial_metrics_path(output)
         os.makedirs(os.path.dirname(os.path.abspath(partial)), exist_ok=True)
-    bar = metrics_lib.Progress(pc.steps, 0, progress)
+    bar = metrics_lib.Progress(pc.steps, start, progress)
     summary: dict = {}
+    lines = [log_text] if log_text else []
     try:
         with open(partial, "w") as log:
             def write(values):
-                log.write(json.dumps(values) + "\n")
+                lines.append(json.dumps(values) + "\n")
+                log.write(lines[-1])
                 log.flush()
 
-            write({"step": 0, "eval/loss": evaluate(target)})
-            for s in range(pc.steps):
-                signals.raise_if_seen()
-                rows = read(train.rows(s))
-                target, opt_state, loss, gnorm = step(target, opt_state, rows)
-                done = s + 1
-                if done % pc.log_every == 0 or done == pc.steps:
-                    summary = {"step": done, "train/loss": float(loss),
-                               "train/grad_norm": float(gnorm),
-                               "train/epoch": train.epoch(s)}
-                    write(summary)
-                    bar.update(pc.log_every if done % pc.log_every == 0
-                               else done % pc.log_every, summary["train/loss"])
-                    logging.info("pretrain step %d: loss %.4f", done, summary["train/loss"])
-                if done % pc.eval_every == 0 or done == pc.steps:
-                    ev = {"step": done, "eval/loss": evaluate(target)}
-                    write(ev)
-                    summary.update(ev)
-                    logging.info("pretrain step %d: eval loss %.4f", done, ev["eval/loss"])
+            def save(done):
+                _save_state(state_path, done, target, opt_state, "".join(lines), cfg,
+                            store.store_id)
+
+            log.write(log_text)
+            if start == 0:
+                write({"step": 0, "eval/loss": evaluate(target)})
+            done = start
+            try:
+                for s in range(start, pc.steps):
+                    signals.raise_if_seen()
+                    rows = read(train.rows(s))
+                    new_target, new_opt_state, loss, gnorm = step(target, opt_state, rows)
+                    target, opt_state, done = new_target, new_opt_state, s + 1  # one store
+                    if done % pc.log_every == 0 or done == pc.steps:
+                        summary = {"step": done, "train/loss": float(loss),
+                                   "train/grad_norm": float(gnorm),
+                                   "train/epoch": train.epoch(s)}
+                        write(summary)
+                        bar.update(pc.log_every if done % pc.log_every == 0
+                                   else done % pc.log_every, summary["train/loss"])
+                        logging.info("pretrain step %d: loss %.4f", done, summary["train/loss"])
+                    if done % pc.eval_every == 0 or done == pc.steps:
+                        ev = {"step": done, "eval/loss": evaluate(target)}
+                        write(ev)
+                        summary.update(ev)
+                        logging.info("pretrain step %d: eval loss %.4f", done, ev["eval/loss"])
+                    if pc.checkpoint_every and done % pc.checkpoint_every == 0 \
+                            and done != pc.steps:
+                        save(done)
+            except (KeyboardInterrupt, signals.Terminated):
+                save(done)  # the last completed step's
+                print(f"pretraining stopped at step {done}; {state_path} holds it: the same "
+                      "command resumes it", file=sys.stderr)
+                raise
         bar.close()
         build.check(target, cfg)
         build.save(target, cfg, output, data={
@@ -153,6 +249,7 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
                 storage.write_bytes(metrics_path(output), f.read())
         else:
             os.replace(partial, metrics_path(output))
+        storage.remove(state_path)
     finally:
         if remote and os.path.exists(partial):
             os.remove(partial)
