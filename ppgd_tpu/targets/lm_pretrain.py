@@ -67,14 +67,16 @@ CADENCES = ("log_every", "eval_every", "checkpoint_every")  # a resume may chang
 
 
 def _trajectory(cfg: TargetConfig) -> dict:
-    """The flat config a resume must match: every field but the cadences."""
+    """The flat config a resume must match: every field but the cadences and target.path
+    (weights to decompose; pretrain writes to --output)."""
     flat = {}
 
     def walk(prefix, d):
         for k, v in d.items():
             if isinstance(v, dict):
                 walk(f"{prefix}{k}.", v)
-            elif not (prefix.endswith("pretrain.") and k in CADENCES):
+            elif prefix + k != "target.path" and not (prefix.endswith("pretrain.")
+                                                      and k in CADENCES):
                 flat[prefix + k] = v
 
     walk("target.", to_dict(cfg))
