@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 from safetensors import numpy as safetensors_numpy
 
-from ppgd_tpu import checkpoint, dist, resume, storage
+from ppgd_tpu import checkpoint, dist, resume, signals, storage
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
@@ -159,7 +159,9 @@ def train(cfg: Config, run_dir: str) -> dict:
             keep_every=cfg.checkpoint.keep_every or None, config_hash=config_hash(cfg),
             barrier=dist.barrier if jax.process_count() > 1 else None)
         with dist.StopSignal() as stop, saver:
-            return _run(cfg, rd, trainer, saver, stop)
+            summary = _run(cfg, rd, trainer, saver, stop)
+            signals.finished()  # before the StopSignal hands the signals back
+            return summary
 
 
 def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:

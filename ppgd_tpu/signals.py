@@ -22,6 +22,7 @@ import time
 
 seen: list[str] = []  # names of the signals the handler took, in order
 _redelivering: set[int] = set()  # signals put off until the main thread leaves an import
+_finished_at: int | None = None  # len(seen) when the command's work was done
 
 
 class Terminated(BaseException):
@@ -49,6 +50,8 @@ def _raise(signum: int, frame) -> None:
         _redelivering.discard(signum)
     else:
         seen.append(signal.Signals(signum).name)
+    if _finished_at is not None and len(seen) == _finished_at + 1:
+        return  # the first signal after the work is done: the process is ending anyway
     if _importing(frame):
         _redelivering.add(signum)
         threading.Thread(target=_redeliver, args=(signum,), daemon=True).start()
@@ -69,6 +72,15 @@ def install() -> None:
 def _quiet(unraisable) -> None:
     if not isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
         _quiet.previous(unraisable)
+
+
+def finished() -> None:
+    """The command's work is done (a run complete, or stopped and saved): the next signal
+    is only noted. Raised, it would end a process that only waits for the others to finish
+    (process 0 writing the summary) as failed, and the failure report would take them down
+    mid-write. A second signal still raises."""
+    global _finished_at
+    _finished_at = len(seen)
 
 
 def raise_if_seen() -> None:

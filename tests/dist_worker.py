@@ -3,6 +3,7 @@
     python tests/dist_worker.py collectives      # print cross-process results as JSON
     python tests/dist_worker.py loop             # toy training loop with StopSignal [C5]
     python tests/dist_worker.py lost_raise       # a start-up SIGINT whose raise is lost
+    python tests/dist_worker.py finished         # signals after the work is done
 
 Bring-up comes from the PPGD_* environment, exactly as under `ppgd-tpu launch-local`.
 Lines starting with RESULT carry JSON for the test to check.
@@ -130,6 +131,26 @@ def lost_raise():
         result(first_call_stops=stop.should_stop(0), reason=stop.reason)
 
 
+def finished():
+    """After signals.finished(), a real SIGTERM is noted, not raised; a second one raises."""
+    import os
+    import signal
+
+    from ppgd_tpu import signals
+
+    signals.install()
+    signals.finished()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)
+    print("NOTED", signals.seen, flush=True)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+    except signals.Terminated:
+        result(second_raised=True, seen=signals.seen)
+
+
 if __name__ == "__main__":
-    {"collectives": collectives, "loop": loop, "lost_raise": lost_raise}[sys.argv[1]](
+    {"collectives": collectives, "loop": loop, "lost_raise": lost_raise,
+     "finished": finished}[sys.argv[1]](
         *sys.argv[2:])

@@ -144,6 +144,16 @@ def test_C5_a_signal_whose_start_up_raise_was_lost_still_stops_the_run(start):
     assert p.result() == {"first_call_stops": True, "reason": "SIGINT on p0"}
 
 
+def test_a_signal_after_the_work_is_done_is_noted_and_a_second_one_raises(start):
+    """A non-main process whose run is complete waits for process 0 (the summary): a
+    preemption's SIGTERM there used to raise, exit 143 and report a failure that killed
+    process 0 mid-write."""
+    (p,) = start("finished", processes=1, devices=1)
+    assert p.finish() == 0, p.output()
+    assert "NOTED ['SIGTERM']" in p.output()
+    assert p.result() == {"second_raised": True, "seen": ["SIGTERM", "SIGTERM"]}
+
+
 def test_a_process_that_ends_early_takes_the_others_with_it_naming_why(tmp_path):
     """SIGTERM to process 1 alone while the run is still building its target (before the
     loop, which would save and stop cleanly): it exits 143 saying so, and process 0, which
