@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -282,6 +283,33 @@ def test_a_diverged_run_stops_with_status_1_at_the_step_it_saw_it(tmp_path, caps
     assert not (run_dir / "ckpts").exists() or not os.listdir(run_dir / "ckpts")
 
 
+def _signal_when(cmd, env, ready, signum, after_s=0.0):
+    """Runs `cmd`; sends `signum` `after_s` seconds after the first stderr line for which
+    `ready(line)` holds; returns (returncode, stdout, stderr lines)."""
+    # SIGINT as a terminal sends it: a shell's background job (CI run with `&`) starts its
+    # children with SIGINT ignored, and Python then leaves it ignored; a signal the parent
+    # handles is reset to the default in the child
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = []
+    try:
+        for line in p.stderr:
+            err.append(line)
+            if ready(line):
+                time.sleep(after_s)
+                p.send_signal(signum)
+                break
+        out, rest = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, out, "".join(err + [rest]).splitlines()
+
+
 def test_ctrl_c_before_the_loop_exits_130_without_a_traceback(tmp_path):
     """A real SIGINT while the toy target trains (before the loop, whose own stop handling
     is tested in test_resume.py): exit 130 with one line, no traceback, no run dir made."""
@@ -289,29 +317,10 @@ def test_ctrl_c_before_the_loop_exits_130_without_a_traceback(tmp_path):
     cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
            "--target.tms.train_steps=200000", "--log.progress=false"]
     env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache")}
-    # SIGINT as a terminal sends it: a shell's background job (CI run with `&`) starts its
-    # children with SIGINT ignored, and Python then leaves it ignored; a signal the parent
-    # handles is reset to the default in the child
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                             env=env)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    err = []
-    try:
-        for line in p.stderr:  # the mesh is made just before the target is built
-            err.append(line)
-            if "mesh {" in line:
-                p.send_signal(signal.SIGINT)
-                break
-        err.append(p.communicate(timeout=300)[1])
-    finally:
-        if p.poll() is None:
-            p.kill()
-    err = "".join(err)
-    assert p.returncode == 130, err
-    assert "interrupted" in err and "Traceback" not in err, err
+    # the mesh is made just before the target is built
+    rc, _, err = _signal_when(cmd, env, lambda line: "mesh {" in line, signal.SIGINT)
+    assert rc == 130, err
+    assert "interrupted" in err[-1] and "Traceback" not in "\n".join(err), err
     assert not run_dir.exists()
 
 
@@ -328,27 +337,29 @@ def test_a_signal_during_the_imports_exits_with_one_line(tmp_path, name, after):
     cmd = [sys.executable, "-X", "importtime", "-m", "ppgd_tpu", "train",
            f"--run_dir={run_dir}", "--log.progress=false"]
     env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache")}
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the test above
-    try:
-        p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                             env=env)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    err = []
-    try:
-        for line in p.stderr:
-            err.append(line)
-            if line.startswith("import time:") and line.split("|")[-1].strip() == after:
-                p.send_signal(getattr(signal, name))
-                break
-        err.append(p.communicate(timeout=300)[1])
-    finally:
-        if p.poll() is None:
-            p.kill()
-    err = [ln for ln in "".join(err).splitlines() if not ln.startswith("import time:")]
-    assert p.returncode == (143 if name == "SIGTERM" else 130), err
+    rc, _, err = _signal_when(
+        cmd, env, lambda line: line.startswith("import time:") and
+        line.split("|")[-1].strip() == after, getattr(signal, name))
+    err = [ln for ln in err if not ln.startswith("import time:")]
+    assert rc == (143 if name == "SIGTERM" else 130), err
     assert len(err) == 1 and err[0].startswith("ppgd-tpu: ") and name in err[0], err
     assert not run_dir.exists()
+
+
+def test_C5_a_stop_during_the_faithfulness_warmup_saves_nothing(tmp_path):
+    """A real SIGTERM while the warmup computes (dispatched asynchronously, so the loop used
+    to see the signal only after step 1 and save it): exit 0, nothing saved."""
+    run_dir = tmp_path / "r"
+    cmd = [sys.executable, "-m", "ppgd_tpu", "train", f"--run_dir={run_dir}",
+           "--decomp.faithfulness_warmup_steps=400000", "--decomp.steps=20", "--log.every=10",
+           "--eval.every=0", "--eval.figures=false", "--log.progress=false"]
+    env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache")}
+    rc, out, err = _signal_when(cmd, env, lambda line: "run dir" in line, signal.SIGTERM,
+                                after_s=3.0)
+    assert rc == 0, err
+    assert "during faithfulness warmup; nothing was saved" in out, (out, err)
+    assert not (run_dir / "ckpts").exists() or not os.listdir(run_dir / "ckpts")
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_load_decomposition_returns_numpy_components(finished_run):
