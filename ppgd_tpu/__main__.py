@@ -10,8 +10,8 @@ from ppgd_tpu import signals
 
 
 def main() -> None:
-    signals.install()
     try:
+        signals.install()  # a signal already pending is handled (raised) right here
         from ppgd_tpu.cli import main as cli_main
     except BaseException:
         if not signals.seen:

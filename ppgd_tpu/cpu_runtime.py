@@ -23,8 +23,6 @@ plugin, where JAX does not compute on CPU.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import importlib.util
 import os
 import sys
@@ -41,6 +39,8 @@ def keep_step_buffers() -> bool:
     glibc; returns whether they were set."""
     if any(k.startswith("MALLOC_") for k in os.environ):
         return False
+    import ctypes.util  # here: it imports subprocess, which `import ppgd_tpu` need not pay
+
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):

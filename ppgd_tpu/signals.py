@@ -21,7 +21,8 @@ import threading
 import time
 
 seen: list[str] = []  # names of the signals the handler took, in order
-_redelivering: set[int] = set()  # signals put off until the main thread leaves an import
+_deferred: set[int] = set()  # signals waiting for the main thread to leave an import
+_redelivered: set[int] = set()  # ... and now delivered again (not new signals)
 _finished_at: int | None = None  # len(seen) when the command's work was done
 
 
@@ -42,19 +43,22 @@ def _redeliver(signum: int) -> None:
     main = threading.main_thread().ident
     while _importing(sys._current_frames().get(main)):
         time.sleep(0.01)
+    _deferred.discard(signum)
+    _redelivered.add(signum)
     _thread.interrupt_main(signum)
 
 
 def _raise(signum: int, frame) -> None:
-    if signum in _redelivering:  # the same signal, delivered again
-        _redelivering.discard(signum)
+    if signum in _redelivered:
+        _redelivered.discard(signum)
     else:
         seen.append(signal.Signals(signum).name)
-    if _finished_at is not None and len(seen) == _finished_at + 1:
-        return  # the first signal after the work is done: the process is ending anyway
+        if _finished_at is not None and len(seen) == _finished_at + 1:
+            return  # the first signal after the work is done: the process is ending anyway
     if _importing(frame):
-        _redelivering.add(signum)
-        threading.Thread(target=_redeliver, args=(signum,), daemon=True).start()
+        if signum not in _deferred:  # one redelivery for any number of signals meanwhile
+            _deferred.add(signum)
+            threading.Thread(target=_redeliver, args=(signum,), daemon=True).start()
         return
     raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
