@@ -38,3 +38,10 @@ def test_a_bench_ppgd_config_is_its_base_plus_one_bsc_term(base):
     without = dataclasses.replace(
         ppgd, name=plain.name, loss=dataclasses.replace(ppgd.loss, persistent_pgd={}))
     assert config.to_dict(without) == config.to_dict(plain)
+
+
+def test_the_embedded_default_is_configs_tms_5_2():
+    """README and docs call `tms_5-2` the default of `ppgd-tpu train`: the embedded default
+    and the file are the same config, field for field (they had drifted on eval.every)."""
+    assert config.to_dict(config.load(None)) == config.to_dict(
+        config.load(str(CONFIGS / "tms_5-2.yaml")))
