@@ -2,7 +2,7 @@
 # Run N local processes x M CPU devices as one multi-process JAX job (gloo collectives):
 #
 #   launch/local.sh N M [launcher flags] -- <ppgd-tpu args...>
-#   launch/local.sh 2 2 -- train --config configs/tms_5_2.yaml
+#   launch/local.sh 2 2 -- train --config configs/tms_5-2.yaml
 #
 # A thin wrapper over `python -m ppgd_tpu.launch_local` (same as `ppgd-tpu launch-local`);
 # launcher flags: --port P, --module M, --exec. Set PYTHON to choose the interpreter.
