@@ -63,7 +63,7 @@ def state_bytes_per_device(state) -> tuple[int, int]:
 def _devices_ab(args: list[str], counts: list[int]) -> int:
     """One `bench step` subprocess per device count; a table of state memory per device."""
     rows = {}
-    own = [a for a in cli._join_values(args, ["devices"]) if not a.startswith("--devices")]
+    own = [a for a in cli.join_values(args, ["devices"]) if not a.startswith("--devices")]
     for n in counts:
         env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
                "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
@@ -395,7 +395,8 @@ def bench_run(args: list[str]) -> int:
                           cli.choice("cold", "warm", "off"))})
     mode = extra["compile_cache"]
     run_dir = extra["run_dir"] or tempfile.mkdtemp(prefix="ppgd-bench-run-")
-    own = [a for a in args if not a.startswith(("--run_dir", "--compile_cache"))]
+    own = [a for a in cli.join_values(args, ["run_dir", "compile_cache"])  # both spellings
+           if not a.startswith(("--run_dir=", "--compile_cache="))]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     env["PPGD_TPU_COMPILE_CACHE"] = "off" if mode == "off" else tempfile.mkdtemp(
         prefix="ppgd-bench-xla-")

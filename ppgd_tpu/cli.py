@@ -39,6 +39,9 @@ commands:
 versions of ppgd-tpu and the libraries it runs on."""
 
 
+HELP = ("--helpfull", "--help", "-h")
+
+
 class UsageError(ConfigError):
     """A bad command line (exit 2)."""
 
@@ -63,7 +66,7 @@ def _named(args: list[str]) -> dict[str, str | None]:
     return out
 
 
-def _join_values(args: list[str], names) -> list[str]:
+def join_values(args: list[str], names) -> list[str]:
     """`--name value` -> `--name=value` for these (string) flags, as absl expects."""
     out, i = [], 0
     while i < len(args):
@@ -128,7 +131,7 @@ def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
     entries a flag names (`--decomp.tie.linear2=linear1`, config.with_entries).
     """
     extra = dict(extra or {})
-    args = _join_values(args, ["config", *extra])
+    args = join_values(args, ["config", *extra])
     path = _split_value(args, "config")
     cfg = config_lib.with_entries(config_lib.load(path), _named(args))
     fv = flags.FlagValues()
@@ -139,7 +142,7 @@ def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
     leaves = {p: tp for p, tp, _, _ in config_lib.leaves(cfg)}
     for p, tp, value, help_ in config_lib.leaves(cfg):
         _define(fv, p, tp, value, help_)
-    if any(a in ("--helpfull", "--help", "-h") for a in args):
+    if any(a in HELP for a in args):
         print(f"flags (with --config {path or '<embedded default>'}):")
         print("  --config=PATH  experiment YAML")
         for name, (default, help_, *_) in extra.items():
@@ -232,6 +235,10 @@ def cmd_pretrain(args: list[str]) -> int:
 def cmd_bench(args: list[str]) -> int:
     from ppgd_tpu import bench
 
+    if args and args[0] in HELP:
+        print("usage: ppgd-tpu bench <case> [--config ...] [flags]; `ppgd-tpu bench <case> "
+              f"--helpfull` lists a case's flags.\n\n{bench.__doc__}")
+        return 0
     if not args or args[0].startswith("-"):
         raise UsageError(f"bench: which benchmark? one of {', '.join(bench.CASES)}")
     return bench.main(args[0], args[1:])
@@ -282,6 +289,12 @@ COMMANDS = {"train": cmd_train, "pretrain": cmd_pretrain, "bench": cmd_bench,
             "shardings": cmd_shardings}
 
 
+def _argparse_help(args: list[str]) -> list[str]:
+    """`--helpfull` as argparse spells it, up to a `--` (what follows is another command's)."""
+    end = args.index("--") if "--" in args else len(args)
+    return [("--help" if a == "--helpfull" else a) for a in args[:end]] + args[end:]
+
+
 def versions() -> str:
     """ppgd_tpu and the libraries a result depends on, for a bug report."""
     from importlib import metadata
@@ -315,7 +328,7 @@ def run(argv: list[str]) -> int:
                 mod = importlib.import_module(DELEGATED[cmd])
             except ImportError:
                 raise UsageError(f"{cmd}: not available in this build") from None
-            return mod.main(rest)
+            return mod.main(_argparse_help(rest))
         close = difflib.get_close_matches(cmd, list(COMMANDS) + list(DELEGATED), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UsageError(f"unknown command {cmd!r}{hint}\n\n{USAGE}")

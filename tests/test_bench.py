@@ -176,7 +176,7 @@ def test_bench_without_a_case_is_a_usage_error(capsys):
 
 def test_bench_run_times_a_whole_run_and_refuses_an_unknown_cache_mode(capsys, tmp_path):
     assert cli.run(["bench", "run", *TINY, "--log.every=20", "--eval.every=20",
-                    f"--run_dir={tmp_path / 'r'}", "--compile_cache=off"]) == 0
+                    "--run_dir", str(tmp_path / "r"), "--compile_cache", "off"]) == 0  # as train
     report = dict(ln.split(None, 1) for ln in capsys.readouterr().out.splitlines() if ln.strip())
     assert report["compile_cache"] == "off" and float(report["wall_s"]) > 0
     assert (tmp_path / "r" / "summary.json").exists() and "eval/recon/ci_masked" in report

@@ -192,6 +192,27 @@ def test_helpfull_lists_every_field_with_type_default_and_meaning(capsys):
             in out)
 
 
+@pytest.mark.parametrize("argv,first", [
+    (["tokenize"], "usage: ppgd-tpu tokenize"), (["ckpt"], "usage: ppgd-tpu ckpt"),
+    (["ckpt", "ls"], "usage: ppgd-tpu ckpt ls"),
+    (["launch-local"], "usage: ppgd-tpu launch-local"),
+    (["bench"], "usage: ppgd-tpu bench <case>")])
+def test_every_command_answers_helpfull(capsys, argv, first):
+    """The top-level usage promises `ppgd-tpu <command> --helpfull` for every command; the
+    argparse ones exited 2 ("the following arguments are required"), bench asked "which
+    benchmark?"."""
+    try:
+        rc = cli.run([*argv, "--helpfull"])
+    except SystemExit as e:  # argparse exits after printing its help
+        rc = e.code
+    assert rc == 0 and capsys.readouterr().out.startswith(first)
+
+
+def test_helpfull_after_launch_local_separator_is_the_child_commands():
+    assert cli._argparse_help(["--helpfull", "--", "train", "--helpfull"]) == [
+        "--help", "--", "train", "--helpfull"]
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "tiny"
