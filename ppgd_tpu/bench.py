@@ -34,6 +34,7 @@ import os
 import pathlib
 import re
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,10 @@ def _devices_ab(args: list[str], counts: list[int]) -> int:
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr[-4000:])
+            if proc.returncode < 0:  # as a shell would say it, not as exit status 256 - N
+                sys.stderr.write(f"bench step: the {n}-device run was killed by "
+                                 f"{signal.Signals(-proc.returncode).name}\n")
+                return 1
             return proc.returncode
         report = dict(line.split(None, 1) for line in proc.stdout.splitlines() if line.strip())
         rows[n] = {k: float(report[k]) for k in ("state_mb_per_device", "step_median_ms")
@@ -99,7 +104,7 @@ def bench_step(args: list[str]) -> int:
     n = extra["n_steps"]
     trainer = Trainer(cfg)
     target, dec = trainer.target, trainer.dec
-    state = trainer.init_state()
+    state = jax.block_until_ready(trainer.init_state())  # the faithfulness warmup too
     state_max, state_total = state_bytes_per_device(state)
     memory = {"config": cfg.name, "batch_size": cfg.data.batch_size,
               "devices": jax.device_count(),

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ppgd_tpu import cli
+from ppgd_tpu import config as config_lib
 from ppgd_tpu.engine import Trainer
 
 TINY = ["--data.batch_size=64", "--decomp.steps=40", "--eval.batch_size=64"]
@@ -167,6 +168,29 @@ def test_bench_step_devices_reports_the_lm_state_shrinking_with_fsdp(corpus, cap
         elif key == "state_mb_per_device":
             mb[n] = float(value)
     assert set(mb) == {1, 4} and mb[4] < 0.5 * mb[1]
+
+
+def test_bench_step_devices_on_the_lm_demo_config_as_readme_runs_it(corpus, capsys,
+                                                                     tmp_path):
+    """README's memory A/B on configs/lm_demo_2L.yaml (an untrained target, a small store):
+    its children printed the memory and then segfaulted (exit 245 here, 3 of 3), exiting
+    while the faithfulness warmup still computed; now they wait for it."""
+    from ppgd_tpu.targets import build
+
+    store = str(tmp_path / "store")
+    assert cli.run(["tokenize", "--input", str(corpus["root"] / "*.txt"), "--output", store,
+                    "--seq_len", "129"]) == 0
+    cfg = config_lib.load("configs/lm_demo_2L.yaml").target
+    target = str(tmp_path / "demo.safetensors")
+    build.save(build.KINDS[cfg.kind].init(cfg.llama_simple_mlp, jax.random.key(0)), cfg,
+               target)
+    assert cli.run(["bench", "step", "--config=configs/lm_demo_2L.yaml",
+                    f"--target.path={target}", f"--data.store={store}",
+                    "--data.eval_rows=32", "--eval.batch_size=32", "--devices", "1,4",
+                    "--mesh.data=1", "--mesh.fsdp=-1", "--timing=false"]) == 0, \
+        capsys.readouterr().err[-3000:]
+    assert [ln.split()[1] for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("devices ")] == ["1", "4"]
 
 
 def test_bench_without_a_case_is_a_usage_error(capsys):
