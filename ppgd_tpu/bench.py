@@ -34,6 +34,7 @@ import os
 import pathlib
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppgd_tpu import cli
+from ppgd_tpu import cli, storage
 
 
 def _peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
@@ -391,6 +392,24 @@ def bench_replay(args: list[str]) -> int:
     return 0
 
 
+def _fresh_dir(path: str, prefix: str) -> str:
+    """`--run_dir` of a bench that writes one (a new temp dir when empty): a path that does
+    not exist yet, or an empty directory. A bench's saves in a run's dir would retire the
+    run's own checkpoints and leave the run to resume from the bench's; its timing of a
+    complete run would time nothing."""
+    if not path:
+        return tempfile.mkdtemp(prefix=prefix)
+    if storage.is_gcs(path) and storage.list_entries(path) or \
+            not storage.is_gcs(path) and os.path.isdir(path) and os.listdir(path):
+        raise cli.UsageError(f"--run_dir: {path} is not empty; a bench writes a run dir of "
+                             "its own: pass a new path, or none (a temp dir)")
+    try:
+        storage.check_creatable(path, directory=True)
+    except ValueError as e:
+        raise cli.UsageError(f"--run_dir: {e}") from None
+    return path
+
+
 def bench_run(args: list[str]) -> int:
     """`--compile_cache=cold` (default) times a first run (a fresh, empty compile cache);
     `warm` a repeat run (one untimed run fills a fresh cache first); `off` runs without one."""
@@ -399,12 +418,12 @@ def bench_run(args: list[str]) -> int:
         "compile_cache": ("cold", "cold: first run; warm: a repeat run; off: no cache",
                           cli.choice("cold", "warm", "off"))})
     mode = extra["compile_cache"]
-    run_dir = extra["run_dir"] or tempfile.mkdtemp(prefix="ppgd-bench-run-")
+    run_dir = _fresh_dir(extra["run_dir"], "ppgd-bench-run-")
     own = [a for a in cli.join_values(args, ["run_dir", "compile_cache"])  # both spellings
            if not a.startswith(("--run_dir=", "--compile_cache="))]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env["PPGD_TPU_COMPILE_CACHE"] = "off" if mode == "off" else tempfile.mkdtemp(
-        prefix="ppgd-bench-xla-")
+    scratch = tempfile.mkdtemp(prefix="ppgd-bench-run-")  # the cache, a warm run's first run
+    env["PPGD_TPU_COMPILE_CACHE"] = "off" if mode == "off" else os.path.join(scratch, "xla")
 
     def train(run_dir):
         cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
@@ -416,13 +435,16 @@ def bench_run(args: list[str]) -> int:
             sys.stderr.write(proc.stderr[-4000:])
         return proc.returncode, time.perf_counter() - t
 
-    if mode == "warm":
-        rc, _ = train(tempfile.mkdtemp(prefix="ppgd-bench-run-fill-"))
+    try:
+        if mode == "warm":
+            rc, _ = train(os.path.join(scratch, "fill"))
+            if rc != 0:
+                return rc
+        rc, wall = train(run_dir)
         if rc != 0:
             return rc
-    rc, wall = train(run_dir)
-    if rc != 0:
-        return rc
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     with open(os.path.join(run_dir, "summary.json")) as fh:
         summary = json.load(fh)
     _print({"config": cfg.name, "steps": cfg.decomp.steps, "compile_cache": mode,
@@ -441,7 +463,7 @@ def bench_ckpt(args: list[str]) -> int:
 
     cfg, extra = cli.parse_config_args(args, {"n_saves": ("5", "saves to time", cli.count),
                                               "run_dir": ("", "where to write (default: temp)")})
-    run_dir = extra["run_dir"] or tempfile.mkdtemp(prefix="ppgd-bench-ckpt-")
+    run_dir = _fresh_dir(extra["run_dir"], "ppgd-bench-ckpt-")
     trainer = Trainer(cfg)
     state = trainer.init_state()
     k = cfg.data.train_batch_replay

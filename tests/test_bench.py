@@ -208,6 +208,23 @@ def test_bench_run_times_a_whole_run_and_refuses_an_unknown_cache_mode(capsys, t
     assert "--compile_cache='tepid': use one of cold, warm, off" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("case", ["run", "ckpt"])
+def test_a_bench_refuses_a_run_dir_that_holds_anything(capsys, tmp_path, case):
+    """`bench ckpt --run_dir` of a real run retired the run's own checkpoints (keep_last_n 2)
+    and the run then resumed from the bench's; `bench run` on a complete run timed its
+    'already complete'. Both now want a new or empty dir, before any compute."""
+    run = tmp_path / "run"
+    (run / "ckpts" / "20").mkdir(parents=True)
+    (run / "ckpts" / "20" / "COMMITTED").write_text("")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    assert cli.run(["bench", case, *TINY, "--run_dir", str(run)]) == 2
+    assert f"--run_dir: {run} is not empty" in capsys.readouterr().err
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    (tmp_path / "a_file").write_text("")
+    assert cli.run(["bench", case, *TINY, f"--run_dir={tmp_path / 'a_file' / 'x'}"]) == 2
+    assert "--run_dir: " in capsys.readouterr().err
+
+
 def test_bench_step_profile_lists_the_steps_xla_ops_by_time(capsys):
     """`--profile=N`: the N ops of the compiled step that a jax.profiler trace spent the most
     time in, each named as in the step's HLO, most expensive first."""
