@@ -3,6 +3,7 @@ digest, verify and the CLI, on local disk and on gs:// (real fake-gcs-server) [C
 
 import json
 import logging
+import os
 import threading
 
 import jax
@@ -233,21 +234,36 @@ def test_verify_finds_damage(run_dir, capsys):
     assert "DAMAGED" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("damage", ["missing chunk", "truncated chunk", "garbage manifest"])
-def test_restore_refuses_a_damaged_committed_step_C4(run_dir, damage):
+MANIFEST_DAMAGE = {"garbage manifest": b"{not json", "manifest a list": b"[1, 2]",
+                   "manifest empty": b""}
+
+
+@pytest.mark.parametrize("damage", ["missing chunk", "truncated chunk", *MANIFEST_DAMAGE,
+                                    "a leaf without its dtype"])
+def test_restore_refuses_a_damaged_committed_step_C4(run_dir, damage, capsys):
     """restore never hands back what was not written: a missing chunk raises (tensorstore
-    would fill it with zeros), as do a cut-short chunk and an unreadable manifest."""
+    would fill it with zeros), as do a cut-short chunk and a manifest that is not one
+    (unparsable, JSON but not an object: an AttributeError traceback on resume before, a
+    leaf entry cut short: a KeyError from `ckpt digest`); `ckpt digest` names the file."""
     save(run_dir, 1, make_state())
     sdir = mf.step_dir(run_dir, 1)
+    manifest = storage.join(sdir, mf.MANIFEST)
     chunk = storage.join(sdir, "decomposition/components/linear1/V/c/0/0")
     if damage == "missing chunk":
         storage.remove(chunk)
     elif damage == "truncated chunk":
         storage.write_bytes(chunk, storage.read_bytes(chunk)[:-3])
+    elif damage in MANIFEST_DAMAGE:
+        storage.write_bytes(manifest, MANIFEST_DAMAGE[damage])
     else:
-        storage.write_bytes(storage.join(sdir, mf.MANIFEST), b"{not json")
+        d = json.loads(storage.read_bytes(manifest))
+        del d["leaves"]["decomposition/components/linear1/V"]["dtype"]
+        storage.write_bytes(manifest, json.dumps(d).encode())
     with pytest.raises(mf.DamagedCheckpoint, match=f"committed checkpoint {sdir} is damaged"):
         restore(run_dir, 1)
+    if "chunk" not in damage:
+        assert cli.main(["digest", run_dir]) == 2
+        assert f"{manifest} is damaged" in capsys.readouterr().err
 
 
 def test_cli_ls_digest_and_bad_paths(run_dir, capsys):
@@ -266,6 +282,13 @@ def test_cli_ls_digest_and_bad_paths(run_dir, capsys):
     assert cli.main(["digest", run_dir, "--step", "4"]) == 2
     assert "step 4" in capsys.readouterr().err
     assert cli.main(["frobnicate", run_dir]) == 2
+    if storage.is_gcs(run_dir):  # (gs:// has no empty directories)
+        return
+    empty = run_dir + "/empty"  # a run dir whose ckpts/ holds no step: exit 0, said nothing
+    os.makedirs(mf.ckpts_dir(empty))
+    for cmd in ("ls", "verify", "digest"):
+        assert cli.main([cmd, empty]) == 2
+        assert f"{mf.ckpts_dir(empty)} holds no checkpoint" in capsys.readouterr().err
 
 
 def test_bad_leaves_are_refused_by_name(tmp_path):

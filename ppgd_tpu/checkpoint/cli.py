@@ -33,6 +33,9 @@ def main(argv: list[str]) -> int:
         run_dir = storage.normalize(args.run_dir)
         if not storage.exists(mf.ckpts_dir(run_dir)):
             raise FileNotFoundError(f"{mf.ckpts_dir(run_dir)} does not exist; is {args.run_dir!r} a run directory?")
+        if not mf.list_steps(run_dir):  # an empty ckpts/, or a file in its place
+            raise FileNotFoundError(f"{mf.ckpts_dir(run_dir)} holds no checkpoint (no step "
+                                    "directory): nothing to list or check")
         if args.cmd == "ls":
             print(f"{'step':>10}  {'state':<10}  {'bytes':>14}  path")
             for e in audit.ls(run_dir):

@@ -83,14 +83,20 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "Manifest":
-        d = json.loads(data)
-        if d.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{where}: checkpoint format_version {d.get('format_version')!r}, "
-                f"this code reads {FORMAT_VERSION}"
-            )
-        d["leaves"] = {n: LeafInfo.from_json(i) for n, i in d["leaves"].items()}
-        return cls(**d)
+        """Raises DamagedCheckpoint naming `where` unless `data` is a manifest as written."""
+        try:
+            d = json.loads(data)
+            version = d.get("format_version")
+        except (ValueError, AttributeError) as e:  # not JSON, or JSON but not an object
+            raise DamagedCheckpoint(f"{where} is damaged: not a JSON object ({e})") from None
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{where}: checkpoint format_version {version!r}, this code "
+                             f"reads {FORMAT_VERSION}")
+        try:
+            d["leaves"] = {n: LeafInfo.from_json(i) for n, i in d["leaves"].items()}
+            return cls(**d)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise DamagedCheckpoint(f"{where} is damaged: {type(e).__name__}: {e}") from None
 
     def part(self, parts) -> dict[str, LeafInfo]:
         unknown = set(parts) - set(PARTS)
