@@ -437,14 +437,32 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error (YAML keeps the last,
+    so `{kind: tms, kind: resid_mlp}` would silently mean resid_mlp)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str) -> dict:
     try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.load(fh, Loader=_UniqueKeyLoader) or {}
     except FileNotFoundError:
         raise ConfigError(f"--config: no such file {path!r}") from None
     except OSError as e:  # a directory, no permission, ...
         raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config: {path} is not UTF-8 text ({e.reason} at byte "
+                          f"{e.start})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

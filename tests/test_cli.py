@@ -85,6 +85,22 @@ def test_a_bad_value_reads_the_same_from_yaml_and_from_a_flag(field, value, caps
     assert f"{field}: {value!r} is not" in from_flag
 
 
+@pytest.mark.parametrize("content,needle", [
+    (b"name: caf\xe9\n", "is not UTF-8 text (invalid continuation byte at byte 9)"),
+    (b"target: {kind: tms, kind: resid_mlp}\n", "key 'kind' appears twice in one mapping"),
+    (b"decomp:\n  steps: 10\ndecomp:\n  steps: 20\n", "key 'decomp' appears twice"),
+])
+def test_a_config_file_that_is_not_one_mapping_of_utf8_exits_2(content, needle, capsys,
+                                                               tmp_path):
+    """Latin-1 bytes were a UnicodeDecodeError traceback (exit 1, every command); a key
+    given twice silently took its last value."""
+    (tmp_path / "c.yaml").write_bytes(content)
+    for argv in (["train", f"--run_dir={tmp_path / 'r'}"], ["shardings"]):
+        rc, _, err = _run([*argv, f"--config={tmp_path / 'c.yaml'}"], capsys)
+        assert rc == 2 and f"--config: {tmp_path / 'c.yaml'} " in err and needle in err, err
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("text,want", [("2e4", 20000), ("2.5e3", 2500), ("1_000", 1000),
                                        ("20000", 20000)])
 def test_an_integer_field_takes_a_whole_number_written_as_a_float(text, want, tmp_path):
