@@ -112,6 +112,22 @@ def test_tokenize_checks_output_before_any_input_is_read(tmp_path, capsys):
     assert rc == 2 and "--output: " in err and "parquet" not in err, err
 
 
+def test_tokenize_names_an_input_file_it_cannot_read(tmp_path, capsys):
+    """A file the glob matched that cannot be read (here a link to /proc/self/mem, as a
+    file gone or without permission would be) was an fsspec traceback, exit 1; the store
+    it was writing stays incomplete, so nothing reads it as one."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("fine " * 200)
+    (corpus / "z.txt").symlink_to("/proc/self/mem")
+    out = tmp_path / "store"
+    rc, _, err = _run(["tokenize", "--input", str(corpus / "*.txt"), "--output", str(out),
+                       "--seq_len", "17"], capsys)
+    assert rc == 2 and f"--input: cannot read {corpus / 'z.txt'}" in err, err
+    with pytest.raises(IncompleteStoreError):
+        TokenStore.open(str(out))
+
+
 @pytest.mark.parametrize("layout", ["a user's files", "a tokens/ dir of a user's",
                                     "a meta.json of a user's"])
 def test_tokenize_refuses_an_output_holding_other_files_and_deletes_nothing(

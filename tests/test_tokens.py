@@ -103,6 +103,16 @@ def test_parquet_refusals(tmp_path, capsys):
     assert main(["--input", str(tmp_path / "big.parquet"), "--output",
                  str(tmp_path / "s"), "--seq_len", "2", "--vocab_size", "50"]) == 2
     assert "outside the vocabulary [0, 50)" in capsys.readouterr().err
+    # flags parquet input cannot honour: used to be overridden or ignored, exit 0
+    _write_parquet(tmp_path / "ok.parquet", [list(range(10))])
+    assert main(["--input", str(tmp_path / "ok.parquet"), "--output", str(tmp_path / "s"),
+                 "--seq_len", "2", "--vocab_size", "10", "--eos_id", "20"]) == 2
+    assert "--eos_id 20: not an id of --vocab_size 10 (0..9)" in capsys.readouterr().err
+    assert main(["--input", str(tmp_path / "ok.parquet"), "--output", str(tmp_path / "s"),
+                 "--seq_len", "2", "--tokenizer", str(tmp_path / "tok.json")]) == 2
+    assert "--tokenizer applies to text input only" in capsys.readouterr().err
+    with pytest.raises(IncompleteStoreError):
+        TokenStore.open(str(tmp_path / "s"))
 
 
 def test_empty_input_refused(tmp_path, capsys):

@@ -118,7 +118,11 @@ def expand_inputs(patterns: list[str]) -> list[str]:
 
 def _read_bytes(path: str) -> bytes:
     fs, p = fs_for(path)
-    return fs.cat_file(p)
+    try:
+        return fs.cat_file(p)
+    except OSError as e:  # gone since the glob, no permission, not a regular file
+        raise TokenizeError(f"--input: cannot read {path} ({e.strerror or e}); the store "
+                            "stays incomplete: fix or exclude the file and re-run") from None
 
 
 def _parquet_documents(path: str) -> Iterator[np.ndarray]:
@@ -202,9 +206,15 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
         raise TokenizeError("--input mixes parquet and text files; tokenize them separately")
     if all(parquet):
         tok_name, tok_id = "pretokenized", None  # which tokenizer made them is not known
+        if tokenizer != "byte":
+            raise TokenizeError(f"--tokenizer {tokenizer}: parquet input holds token ids "
+                                "already (input_ids); --tokenizer applies to text input only")
+        if vocab_size is not None and eos_id is not None and eos_id >= vocab_size:
+            raise TokenizeError(f"--eos_id {eos_id}: not an id of --vocab_size {vocab_size} "
+                                f"(0..{vocab_size - 1}); raise --vocab_size or fix --eos_id")
         vocab = vocab_size if vocab_size is not None else _parquet_vocab_size(files)
         if eos_id is not None:
-            vocab = max(vocab, eos_id + 1)
+            vocab = max(vocab, eos_id + 1)  # (a scanned vocabulary need not reach the EOS)
         eos = eos_id
         documents = functools.partial(_parquet_stream, files)
     else:
