@@ -347,6 +347,16 @@ def ci_fn_split(trainer, state, n: int) -> dict:
             "ci_fn_share": max(0.0, 1.0 - repeat_s / full_s)}
 
 
+def _window(text: str) -> int:
+    try:
+        k = cli.count(text)
+    except ValueError:
+        k = 0
+    if k < 2:
+        raise ValueError("use a whole number >= 2 (a window of 1 replays nothing)")
+    return k
+
+
 def bench_replay(args: list[str]) -> int:
     """Replay A/B in one process: the full vs the repeat step, and the per-step time of whole
     windows of k steps in every mode relative to `every` (compiles excluded)."""
@@ -356,7 +366,7 @@ def bench_replay(args: list[str]) -> int:
     from ppgd_tpu.step import Decomposer
 
     cfg, extra = cli.parse_config_args(args, {
-        "k": ("4", "replay window length", cli.count),
+        "k": ("4", "replay window length (>= 2: a window of 1 replays nothing)", _window),
         "windows": ("3", "timed windows per mode", cli.count)})
     k, windows = extra["k"], extra["windows"]
 

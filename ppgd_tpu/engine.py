@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import time
 
 import jax
@@ -286,6 +287,10 @@ def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
     A finished run's decomposition.safetensors; for a run still going (or stopped), the
     `decomposition` part of its latest committed checkpoint [C2] (no mesh needed).
     """
+    if not storage.exists(run_dir):
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
+    if not storage.is_gcs(run_dir) and not os.path.isdir(run_dir):
+        raise NotADirectoryError(f"{run_dir} is a file, not a run directory")
     path = storage.join(storage.normalize(run_dir), DECOMPOSITION)
     out: dict[str, dict[str, np.ndarray]] = {}
     if storage.exists(path):

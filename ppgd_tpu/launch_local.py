@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -72,8 +73,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--devices_per_process={args.devices_per_process}: expected >= 1")
     if not 0 <= args.port < 65536:
         p.error(f"--port={args.port}: expected 0 (pick a free one) or 1..65535")
-    if args.exec_argv and not child:
-        p.error("--exec needs the child argv after --")
+    if not child:
+        p.error("no command after --: each process runs `ppgd-tpu <command> ...` (or, with "
+                "--exec, the argv) given there, e.g. -- train --config configs/tms_5-2.yaml")
+    if args.exec_argv and shutil.which(child[0]) is None:
+        p.error(f"--exec: {child[0]!r} is not an executable file or on PATH")
     return args, child
 
 
@@ -103,7 +107,10 @@ def _exit_code(returncode: int) -> int:
 
 def main(argv: list[str]) -> int:
     """Run the job; 0 when every child succeeds, else the first failing child's code."""
-    args, child_args = _parse(argv)
+    try:
+        args, child_args = _parse(argv)
+    except SystemExit as e:  # argparse has printed the usage error (or --help)
+        return int(e.code or 0)
     port = args.port or free_port()
     cmd = child_args if args.exec_argv else [sys.executable, "-m", args.module, *child_args]
     _say(f"{args.processes} processes x {args.devices_per_process} devices, "

@@ -146,6 +146,7 @@ def test_a_site_key_with_dots_is_a_flag_like_any_other(tmp_path):
     (["bench", "step", "--timing=maybe"], "--timing='maybe': use one of true, false"),
     (["bench", "ckpt", "--n_saves=-2"], "--n_saves='-2': use a whole number >= 1"),
     (["bench", "replay", "--k=two"], "--k='two'"),
+    (["bench", "replay", "--k=1"], "--k='1': use a whole number >= 2"),  # named fields unset
     (["shardings", "--processes=0"], "--processes='0'"),
 ])
 def test_refused_command_flags_exit_2_with_the_flag(argv, needle, capsys):
@@ -414,6 +415,15 @@ def test_load_decomposition_names_a_damaged_file(finished_run, tmp_path):
     path.write_bytes(path.read_bytes()[:100])  # cut short, as a full disk would leave it
     with pytest.raises(ValueError, match=f"{path} is not a readable safetensors file"):
         load_decomposition(str(run))
+
+
+def test_load_decomposition_names_a_path_that_is_no_run_dir(tmp_path):
+    """It said 'no decomposition yet' of a path that does not exist or is a file."""
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nope'}: no such run directory"):
+        load_decomposition(str(tmp_path / "nope"))
+    (tmp_path / "f").write_text("")
+    with pytest.raises(NotADirectoryError, match="is a file, not a run directory"):
+        load_decomposition(str(tmp_path / "f"))
 
 
 def test_rerun_complete_and_refused_resume_leave_the_dir_untouched(finished_run, capsys):
