@@ -236,9 +236,10 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
                             and done != pc.steps:
                         save(done)
             except (KeyboardInterrupt, signals.Terminated):
-                save(done)  # the last completed step's
-                print(f"pretraining stopped at step {done}; {state_path} holds it: the same "
-                      "command resumes it", file=sys.stderr)
+                if done > start:  # (else the state there, if any, is already this one)
+                    save(done)  # the last completed step's
+                    print(f"pretraining stopped at step {done}; {state_path} holds it: the "
+                          "same command resumes it", file=sys.stderr)
                 raise
         bar.close()
         build.check(target, cfg)
