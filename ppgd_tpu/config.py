@@ -455,7 +455,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_yaml(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.load(fh, Loader=_UniqueKeyLoader) or {}
+            data = yaml.load(fh, Loader=_UniqueKeyLoader)
     except FileNotFoundError:
         raise ConfigError(f"--config: no such file {path!r}") from None
     except OSError as e:  # a directory, no permission, ...
@@ -465,6 +465,9 @@ def load_yaml(path: str) -> dict:
                           f"{e.start})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+    if data is None:  # an empty file (or only comments): most likely not what was meant
+        raise ConfigError(f"--config: {path} is empty; leave --config out to run the embedded "
+                          "default")
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {path} must hold a mapping at the top level")
     return data

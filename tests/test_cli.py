@@ -89,6 +89,7 @@ def test_a_bad_value_reads_the_same_from_yaml_and_from_a_flag(field, value, caps
     (b"name: caf\xe9\n", "is not UTF-8 text (invalid continuation byte at byte 9)"),
     (b"target: {kind: tms, kind: resid_mlp}\n", "key 'kind' appears twice in one mapping"),
     (b"decomp:\n  steps: 10\ndecomp:\n  steps: 20\n", "key 'decomp' appears twice"),
+    (b"# all commented out\n", "is empty; leave --config out"),  # ran the embedded default
 ])
 def test_a_config_file_that_is_not_one_mapping_of_utf8_exits_2(content, needle, capsys,
                                                                tmp_path):
