@@ -36,7 +36,7 @@ from safetensors import numpy as safetensors_numpy
 
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu import signals, storage
-from ppgd_tpu.config import ConfigError, TargetConfig, to_dict
+from ppgd_tpu.config import ConfigError, TargetConfig, leaves
 from ppgd_tpu.data.schedule import train_eval_schedules
 from ppgd_tpu.data.tokens import DamagedStoreError, IncompleteStoreError, TokenStore
 from ppgd_tpu.targets import build
@@ -68,19 +68,9 @@ CADENCES = ("log_every", "eval_every", "checkpoint_every")  # a resume may chang
 
 def _trajectory(cfg: TargetConfig) -> dict:
     """The flat config a resume must match: every field but the cadences and target.path
-    (weights to decompose; pretrain writes to --output)."""
-    flat = {}
-
-    def walk(prefix, d):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(f"{prefix}{k}.", v)
-            elif prefix + k != "target.path" and not (prefix.endswith("pretrain.")
-                                                      and k in CADENCES):
-                flat[prefix + k] = v
-
-    walk("target.", to_dict(cfg))
-    return flat
+    (weights to decompose; pretrain writes to --output). Scalars: they JSON round-trip."""
+    skip = {"path", *(f"llama_simple_mlp.pretrain.{c}" for c in CADENCES)}
+    return {f"target.{p}": v for p, _, v, _ in leaves(cfg) if p not in skip}
 
 
 def _save_state(path: str, done: int, target, opt_state, log_text: str, cfg: TargetConfig,
