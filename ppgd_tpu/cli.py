@@ -21,7 +21,7 @@ from typing import Literal
 from absl import flags, logging
 
 from ppgd_tpu import config as config_lib
-from ppgd_tpu import signals
+from ppgd_tpu import signals, storage
 from ppgd_tpu.config import ConfigError
 
 USAGE = """usage: ppgd-tpu <command> [flags]
@@ -181,8 +181,6 @@ def target_output(cfg, value: str) -> str:
     """`pretrain --output` (TARGET_OUTPUT) or its default; refused before any training if
     it could not be written."""
     import os
-
-    from ppgd_tpu import storage
 
     out = value or os.path.join("runs", "targets",
                                 f"{cfg.target.kind}-{cfg.target.seed}.safetensors")
@@ -375,8 +373,18 @@ def _setup() -> None:
     flags.FLAGS.mark_as_parsed()  # ours parse per command; absl's own need only defaults
     logging.set_verbosity(logging.INFO)
     logging.use_absl_handler()
+    # gcsfs logs a traceback when it gives up on a request; the error it then raises ends
+    # the command with one line naming the path (storage.Unreachable)
+    std_logging.getLogger("gcsfs").setLevel(std_logging.CRITICAL)
     if cpu_runtime.computes_on_cpu():  # no accelerator plugin: JAX's TPU probe must fail
         std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
+
+
+def _unreachable(e: BaseException | None) -> BaseException | None:
+    """The storage.Unreachable that `e` is or was raised from (a background save's)."""
+    while e is not None and not isinstance(e, storage.Unreachable):
+        e = e.__cause__ or e.__context__
+    return e
 
 
 def main() -> None:
@@ -389,6 +397,10 @@ def main() -> None:
     except Exception as e:
         if signals.seen:  # the signal's raise, turned into another error (an import's)
             _interrupted()
+        cause = _unreachable(e)
+        if cause is not None:  # the path and the cause say it all
+            _end(1, f"ppgd-tpu: failed: {e}: {cause}; {AGAIN}" if cause is not e
+                 else f"ppgd-tpu: failed: {e}; {AGAIN}")
         _end(1, f"{traceback.format_exc()}ppgd-tpu: failed: {type(e).__name__}: {e}")
     sys.exit(code)
 

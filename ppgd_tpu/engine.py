@@ -294,8 +294,9 @@ def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
     path = storage.join(storage.normalize(run_dir), DECOMPOSITION)
     out: dict[str, dict[str, np.ndarray]] = {}
     if storage.exists(path):
+        blob = storage.read_bytes(path)
         try:
-            tensors = safetensors_numpy.load(storage.read_bytes(path))
+            tensors = safetensors_numpy.load(blob)
         except Exception as e:  # safetensors raises several types for a damaged file
             raise ValueError(f"{path} is not a readable safetensors file ({e}); the run's "
                              "latest checkpoint holds the same components: delete the file "

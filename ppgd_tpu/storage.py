@@ -8,6 +8,7 @@ STORAGE_EMULATOR_HOST.
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import uuid
@@ -17,6 +18,47 @@ import uuid
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 _GCS = "gs://"
+
+
+class Unreachable(Exception):
+    """A gs:// path could not be reached: no network, no credentials, or no permission. Its
+    message names the path (the client's names an HTTP endpoint). Not an OSError: no
+    handler of a damaged or missing file may take it for one."""
+
+
+def _gcs_failure(e: BaseException) -> str | None:
+    """What went wrong, if `e` is GCS being out of reach rather than a file being absent."""
+    if isinstance(e, FileNotFoundError):
+        return None
+    import aiohttp
+    import google.auth.exceptions
+    from gcsfs.retry import HttpError
+
+    if isinstance(e, (aiohttp.ClientError, TimeoutError)):
+        return f"cannot reach Cloud Storage ({type(e).__name__}: {e}); check the network"
+    if isinstance(e, google.auth.exceptions.GoogleAuthError):
+        return (f"no usable credentials ({e}); run `gcloud auth application-default login` "
+                "or give the VM a service account with storage access")
+    if isinstance(e, HttpError) or (isinstance(e, OSError) and str(e).startswith("Forbidden")):
+        return ("permission denied by Cloud Storage ("
+                + " ".join(str(e).split("\n", 1)[-1].split()) + ")")
+    return None
+
+
+def _reports_path(fn):
+    """Turns a gs:// failure inside `fn(path, ...)` into Unreachable naming `path`."""
+    @functools.wraps(fn)
+    def wrapper(path, *args, **kwargs):
+        try:
+            return fn(path, *args, **kwargs)
+        except Unreachable:
+            raise
+        except Exception as e:
+            why = _gcs_failure(e) if is_gcs(os.fspath(path)) else None
+            if why is None:
+                raise
+            raise Unreachable(f"{path}: {why}") from e
+    return wrapper
 
 
 def is_gcs(path: str) -> bool:
@@ -39,13 +81,24 @@ def normalize(path: str) -> str:
     return os.path.abspath(path)
 
 
+@_reports_path
 def check_creatable(path: str, *, directory: bool) -> None:
     """Raises ValueError if local `path` (a directory, or a file) could not be created or
     written: a file where a directory must be or the reverse, a file on its way, or no write
-    permission where it would go. Called before compute, so a bad path costs nothing; a
-    gs:// path is checked by its first write."""
+    permission where it would go. Called before compute, so a bad path costs nothing. Of a
+    gs:// path only the bucket is checked; a missing permission shows at the first write."""
     path = normalize(path)
     if is_gcs(path):
+        fs, p = _fs_and_path(path)
+        bucket = p.split("/", 1)[0]
+        try:  # not fs.exists: without storage.buckets.get it lists, and an empty bucket
+            fs.call("GET", "b/{}", bucket)  # would look missing
+        except FileNotFoundError:
+            raise ValueError(f"bucket gs://{bucket} does not exist, so {path} cannot be "
+                             "created") from None
+        except OSError as e:
+            if not str(e).startswith("Forbidden"):  # it exists; writes decide
+                raise
         return
     if os.path.exists(path):
         if os.path.isdir(path) != directory:
@@ -92,22 +145,26 @@ def _fs_and_path(path: str):
     return fsspec.filesystem("file"), path
 
 
+@_reports_path
 def exists(path: str) -> bool:
     fs, p = _fs_and_path(path)
     return fs.exists(p)
 
 
+@_reports_path
 def read_bytes(path: str) -> bytes:
     fs, p = _fs_and_path(path)
     return fs.cat_file(p)
 
 
+@_reports_path
 def read_range(path: str, start: int, end: int) -> bytes:
     """Bytes [start, end) of a file (one ranged GET on gs://)."""
     fs, p = _fs_and_path(path)
     return fs.cat_file(p, start=start, end=end)
 
 
+@_reports_path
 def write_bytes(path: str, data: bytes) -> None:
     """Write a whole small file so that a reader sees all of it or nothing.
 
@@ -126,6 +183,7 @@ def write_bytes(path: str, data: bytes) -> None:
     os.replace(tmp, p)
 
 
+@_reports_path
 def list_entries(path: str) -> list[str]:
     """Names (not paths) directly in `path`, sub-directories with a trailing "/"; [] if it
     does not exist."""
@@ -145,6 +203,7 @@ def list_dirs(path: str) -> list[str]:
     return [n[:-1] for n in list_entries(path) if n.endswith("/")]
 
 
+@_reports_path
 def list_files(path: str) -> dict[str, int]:
     """Every file below `path`, as {path relative to `path`: size in bytes}."""
     fs, p = _fs_and_path(path)
@@ -154,6 +213,7 @@ def list_files(path: str) -> dict[str, int]:
     return {name[len(root):]: int(info["size"]) for name, info in fs.find(p, detail=True).items()}
 
 
+@_reports_path
 def remove(path: str) -> None:
     """Delete one file; absent is fine."""
     fs, p = _fs_and_path(path)
@@ -161,6 +221,7 @@ def remove(path: str) -> None:
         fs.rm_file(p)
 
 
+@_reports_path
 def remove_tree(path: str) -> None:
     """Delete a directory and everything below it; absent is fine."""
     fs, p = _fs_and_path(path)

@@ -1,12 +1,19 @@
 """A whole run with RUN_DIR on gs:// (the real fake-gcs-server): round trip, a checkpoint
 that never committed is ignored, and a SIGTERM'd run resumes exactly [C3, C4, C5]."""
 
+import asyncio
+import http.server
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+
+import pytest
 
 from ppgd_tpu import checkpoint, cli, load_decomposition, storage
 
@@ -123,3 +130,78 @@ def test_a_target_file_on_gcs_is_written_read_and_may_move_there_on_resume(gcs_e
     (run / "summary.json").unlink()
     assert cli.run(["train", f"--target.path={remote}", f"--run_dir={run}", *ARGS]) == 0
     assert json.loads((run / "summary.json").read_text())["step"] == 8
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--run_dir={where}/run"],
+    ["pretrain", "--output={where}/t.safetensors"],
+    ["tokenize", "--output={where}/store", "--input={text}", "--seq_len=4"],
+], ids=["train", "pretrain", "tokenize"])
+def test_a_bucket_that_does_not_exist_is_refused_before_compute(gcs_emulator, tmp_path,
+                                                                capsys, argv):
+    """The client's own error names an HTTP endpoint, after the target was trained; the
+    refusal names the flag and the bucket, before any of it."""
+    text = tmp_path / "in.txt"
+    text.write_text("a document\n")
+    where = f"gs://{gcs_emulator.bucket}-missing/x"
+    argv = [a.format(where=where, text=text) for a in argv]
+    capsys.readouterr()
+    assert cli.run(argv) == 2
+    err = capsys.readouterr().err
+    flag = argv[1].split("=")[0]
+    assert f"{flag}: bucket gs://{gcs_emulator.bucket}-missing does not exist" in err, err
+
+
+class _Forbidding(http.server.BaseHTTPRequestHandler):
+    """Cloud Storage to a caller without permission: 403 to everything, in its JSON form."""
+
+    def _deny(self):
+        body = json.dumps({"error": {"code": 403, "message":
+                                     "caller does not have storage.objects.get access"}})
+        self.send_response(403)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    do_GET = do_POST = do_PUT = do_DELETE = _deny
+
+    def log_message(self, *args):
+        pass
+
+
+def test_storage_that_denies_access_ends_the_run_with_one_line_naming_the_path(tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Forbidding)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    env = dict(os.environ, STORAGE_EMULATOR_HOST=url, TENSORSTORE_GCS_HTTP_URL=url)
+    try:
+        p = subprocess.run([sys.executable, "-m", "ppgd_tpu", "train",
+                            "--run_dir=gs://private/run", *ARGS], env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        server.shutdown()
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("ppgd-tpu: failed: gs://private/run"), last
+    assert "permission denied" in last and "storage.objects.get" in last, last
+
+
+def test_a_connection_failure_is_named_as_cloud_storage_out_of_reach():
+    """The classification of the error the client raises for a host that does not answer
+    (the client retries it for ~40 s before, so a run is not the place to show it)."""
+    import aiohttp
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def get():
+        async with aiohttp.ClientSession() as session:
+            await session.get(f"http://127.0.0.1:{port}/")
+
+    with pytest.raises(aiohttp.ClientError) as e:
+        asyncio.run(get())
+    assert storage._gcs_failure(e.value).startswith("cannot reach Cloud Storage")
+    assert storage._gcs_failure(FileNotFoundError("gs://b/x")) is None  # absent: not this

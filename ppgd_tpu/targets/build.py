@@ -105,8 +105,8 @@ def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
     mod, sub = _kind(cfg)
     if not storage.exists(path):
         raise ConfigError(f"{what}: no such file {path!r}")
+    blob = storage.read_bytes(path)
     try:
-        blob = storage.read_bytes(path)
         sd = safetensors_numpy.load(blob)
     except Exception as e:  # safetensors raises several types for a damaged header
         raise TargetError(f"{what}: {path} is not a readable safetensors file ({e})") from None
