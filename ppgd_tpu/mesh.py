@@ -205,7 +205,7 @@ def _patterns(lead: tuple[str, ...]):
         (r"^replay/(envelope|accumulator)/(lower|upper)/", (*lead, *per_site)),
         (r"^adversaries\.bsc/(sources|m|v)/", (*lead, *per_site)),
         (r"^adversaries\.sc/(sources|m|v)/", ("shared", *lead[1:], *per_site)),
-        (r"^components/V/", ("embed", "channels")),
+        (r"^(components/V|replay/envelope_V)/", ("embed", "channels")),
         (r"^components/U/", ("channels", "embed")),
         # CI fns (SPEC 3)
         (r"^ci_fn\.per_component_mlp/(w1|b1|w2)/", ("channels", "hidden")),
@@ -352,6 +352,8 @@ def run_templates(dec, target, batch: jax.ShapeDtypeStruct,
         "env": resume.named_leaves(env, "training/replay/envelope"),
         "acc": resume.named_leaves(acc, "training/replay/accumulator"),
     }
+    if dec.window_keeps_V:
+        named["env_V"] = resume.named_leaves(state.components.V, "training/replay/envelope_V")
     if metrics:
         named["metrics"] = {f"metrics/{k}": v
                             for k, v in jax.eval_shape(dec.full, state, target, batch)[1].items()}
@@ -363,7 +365,8 @@ def step_shardings(placement: Placement, dec, target, batch: jax.ShapeDtypeStruc
     from ppgd_tpu.replay import Shardings
 
     named, trees = run_templates(dec, target, batch, metrics=False)
-    placement.names(named["acc"])  # every leaf placed, even the ones sharing a sharding
+    for group in ("acc", "env_V"):  # every leaf placed, even the ones sharing a sharding
+        placement.names(named.get(group, {}))
     return Shardings(state=placement.tree(trees["state"], named["state"]),
                      target=placement.tree(target, named["target"]),
                      batch=placement.sharding("batch", batch.shape),

@@ -10,6 +10,10 @@ Step s trains on data batch s // k; window position t = s mod k [W1]. Per mode [
 | last  | compute_ci, then repeat            | repeat      | full                       |
 | mean  | compute_ci, then accumulate        | accumulate  | accumulate + one CI update |
 
+The CI update of `mean` pulls the window's cotangent back through the function that made
+the envelope; where the CI fn reads V the window keeps a copy of the V it was made with
+(`env_V`; `Decomposer.window_keeps_V`), since V moves inside the window.
+
 Every variant donates the train state; repeat variants receive (model, envelope) as their
 first argument and spare it [W5]. With `Shardings` every variant is jitted with explicit
 in/out shardings on the run's mesh (ppgd_tpu/mesh.py), so the math stays global-batch math
@@ -22,6 +26,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from ppgd_tpu.step import Decomposer, Envelope, TrainState, zero_accumulator
 
@@ -36,10 +41,17 @@ class Shardings(NamedTuple):
     scalar: Any
 
 
+def copy_V(state: TrainState) -> dict:
+    """The components' V, copied: the next step donates the state it is taken from."""
+    return jax.tree.map(jnp.copy, state.components.V)
+
+
 class ReplayController:
     def __init__(self, dec: Decomposer, shardings: Shardings | None = None):
         self.mode = dec.cfg.data.replay_ci_update
         self.k = dec.cfg.data.train_batch_replay
+        self.reads_V = dec.envelope_reads_V
+        self.keeps_env_V = dec.window_keeps_V
 
         def jit(fn, donate, ins=None, outs=None):
             if shardings is None:
@@ -53,12 +65,22 @@ class ReplayController:
         self.repeat = jit(dec.repeat, 1, ((tg, env), st, b), (st, sc))
         self.mean_accum = jit(dec.mean_accum, (1, 2), ((tg, env), st, env, b), (st, env, sc))
         # acc is not donated here: no output has its shape, so XLA could not reuse it.
-        self.mean_update = jit(dec.mean_update, 1, ((tg, env), st, env, b), (st, sc))
+        v = None if st is None else st.components.V
+        made = (tg, env, v) if self.keeps_env_V else (tg, env)
+        self.mean_update = jit(dec.mean_update, 1, (made, st, env, b), (st, sc))
+        self.copy_V = jit(copy_V, (), (st,), v)
         # jitted, so the accumulator arrives committed like mean_accum's own output: an eagerly
         # made one cost a second compile of mean_accum
         self.zero_acc = jit(zero_accumulator, (), (env,), env)
         self.env: Envelope | None = None
         self.acc: Envelope | None = None
+        self.env_V: dict | None = None
+
+    def _open(self, state: TrainState, target, batch) -> None:
+        """The window's envelope from the current CI fn (and what `mean` adds to it)."""
+        self.env = self.compute_ci(target, state, batch)
+        self.acc = self.zero_acc(self.env) if self.mode == "mean" else None
+        self.env_V = self.copy_V(state) if self.keeps_env_V else None
 
     def ci_updated(self, s: int) -> bool:
         """Whether global step s updates the CI fn."""
@@ -68,10 +90,8 @@ class ReplayController:
 
     def start_window(self, state: TrainState, target, batch) -> None:
         """Rebuilds the window state when the loop starts at a step with t > 0."""
-        if self.mode == "every":
-            return
-        self.env = self.compute_ci(target, state, batch)
-        self.acc = self.zero_acc(self.env) if self.mode == "mean" else None
+        if self.mode != "every":
+            self._open(state, target, batch)
 
     def step(self, s: int, state: TrainState, target, batch):
         """Runs global step s; returns (state, device metrics)."""
@@ -84,9 +104,7 @@ class ReplayController:
                 return state, m
             return self.repeat((target, self.env), state, batch)
         if t == 0:
-            self.env = self.compute_ci(target, state, batch)
-            if self.mode == "mean":
-                self.acc = self.zero_acc(self.env)
+            self._open(state, target, batch)
         if self.mode == "last":
             if t < self.k - 1:
                 return self.repeat((target, self.env), state, batch)
@@ -95,6 +113,7 @@ class ReplayController:
         if t < self.k - 1:
             state, self.acc, m = self.mean_accum((target, self.env), state, self.acc, batch)
             return state, m
-        state, m = self.mean_update((target, self.env), state, self.acc, batch)
-        self.env = self.acc = None
+        made = (target, self.env, self.env_V) if self.keeps_env_V else (target, self.env)
+        state, m = self.mean_update(made, state, self.acc, batch)
+        self.env = self.acc = self.env_V = None
         return state, m

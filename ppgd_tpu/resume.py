@@ -12,7 +12,8 @@ adversary, the step). The replay window adds only what cannot be recomputed bit 
 | mean  | the fp32 cotangent accumulator    | the envelope: compute_ci, as at t = 0            |
 
 A CI fn whose values depend on the components (the per-component toy family) cannot rebuild
-the t = 0 envelope after V moved, so with it `last` and `mean` store the envelope too.
+the t = 0 envelope after V moved, so with it `last` and `mean` store the envelope too, and
+`mean` the V that made it (its CI update is taken there).
 
 So resuming at any step continues the uninterrupted trajectory exactly [C3]. The frozen
 target and the data position are not stored: the batch is a pure function of (seed, s // k).
@@ -47,9 +48,8 @@ def _state_prefix(field: str) -> str:
     return f"{part}/{field}"
 
 
-def _stores_envelope(replay: ReplayController, state) -> bool:
-    return replay.mode == "first" or (
-        replay.mode != "every" and getattr(state.ci_fn, "uses_components", False))
+def _stores_envelope(replay: ReplayController) -> bool:
+    return replay.mode == "first" or (replay.mode != "every" and replay.reads_V)
 
 
 def state_leaves(state: TrainState) -> dict[str, jax.Array]:
@@ -65,10 +65,12 @@ def checkpoint_leaves(state: TrainState, replay: ReplayController) -> dict[str, 
     out = state_leaves(state)
     if int(state.step) % replay.k == 0:  # a window boundary: nothing of the window survives
         return out
-    if _stores_envelope(replay, state):
+    if _stores_envelope(replay):
         out.update(named_leaves(replay.env, "training/replay/envelope"))
     if replay.mode == "mean":
         out.update(named_leaves(replay.acc, "training/replay/accumulator"))
+    if replay.keeps_env_V:
+        out.update(named_leaves(replay.env_V, "training/replay/envelope_V"))
     return out
 
 
@@ -97,10 +99,12 @@ def restore_window(replay: ReplayController, dec: Decomposer, state: TrainState,
     if replay.mode == "every":
         return
     template = jax.eval_shape(dec.compute_ci, target, state, batch)
-    if _stores_envelope(replay, state):
+    if _stores_envelope(replay):
         replay.env = _fill(template, arrays, "training/replay/envelope")
     else:
         replay.env = replay.compute_ci(target, state, batch)
     if replay.mode == "mean":
         acc_template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), template)
         replay.acc = _fill(Envelope(*acc_template), arrays, "training/replay/accumulator")
+    if replay.keeps_env_V:
+        replay.env_V = _fill(state.components.V, arrays, "training/replay/envelope_V")

@@ -73,6 +73,11 @@ class Decomposer:
         self.plans = {n: losses.stochastic_plan(t, self.sites)
                       for n, t in cfg.loss.stochastic.items()}
         self.run_key = lambda: jax.random.key(cfg.seed)
+        # the CI fn's values depend on V (the per-component family): an envelope is a
+        # function of the V it was computed with, and V moves inside a replay window
+        self.envelope_reads_V = ci_lib.uses_components(cfg.decomp.ci_fn.kind)
+        # ... so a `mean` window keeps the V its envelope was made with (replay.py)
+        self.window_keeps_V = self.envelope_reads_V and cfg.data.replay_ci_update == "mean"
         # live_rows.py: on CPU a position-less target's recon forwards skip all-zero rows.
         self.live_sizes = live_lib.sizes(self.leading[0], target.live_row_probability)
         self.skip_dead_rows = (jax.default_backend() == "cpu" and len(self.leading) == 1
@@ -253,13 +258,14 @@ class Decomposer:
 
     def _step(self, state: TrainState, target: Target, batch, env: Envelope | None,
               acc: Envelope | None = None, update_ci_from_acc: bool = False,
-              keep_env: bool = False):
+              keep_env: bool = False, env_V: dict | None = None):
         """SPEC 6 with the CI fn live (`env` None) or replayed from `env` [W3].
 
         With `acc`, the envelope cotangent (fp32) is added to it; with `update_ci_from_acc`
         the window-mean cotangent is pulled back through ONE CI-fn vjp and applied (the
-        `mean` mode's last step [W2]). `keep_env`: return the batch's envelope (the recon
-        then runs on every row).
+        `mean` mode's last step [W2]): the vjp of the function that made `env`, so at the
+        V it was made with (`env_V`, where `envelope_reads_V`). `keep_env`: return the
+        batch's envelope (the recon then runs on every row).
         """
         cfg = self.cfg
         step = state.step
@@ -286,7 +292,9 @@ class Decomposer:
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, g_env)
         if update_ci_from_acc:
             # the components' cotangent of this vjp is dropped: they had theirs each step
-            _, ci_vjp = self._envelope_vjp(state, target.read_activations(
+            made_env = state if env_V is None else eqx.tree_at(
+                lambda st: st.components.V, state, env_V)
+            _, ci_vjp = self._envelope_vjp(made_env, target.read_activations(
                 batch, state.ci_fn.input_names))
             k = cfg.data.train_batch_replay
             g_ci, _ = ci_vjp(jax.tree.map(lambda a, e: (a / k).astype(e.dtype), acc, env))
@@ -346,9 +354,12 @@ class Decomposer:
         return new, acc, metrics
 
     def mean_update(self, model_env, state: TrainState, acc: Envelope, batch):
-        """`mean`, t = k-1: the last repeat step, then ONE CI update with the window mean."""
-        target, env = model_env
-        new, _, _, metrics = self._step(state, target, batch, env, acc, update_ci_from_acc=True)
+        """`mean`, t = k-1: the last repeat step, then ONE CI update with the window mean.
+        `model_env` = (target, envelope), plus the V that made the envelope where
+        `envelope_reads_V`."""
+        target, env, *env_V = model_env
+        new, _, _, metrics = self._step(state, target, batch, env, acc, update_ci_from_acc=True,
+                                        env_V=env_V[0] if env_V else None)
         return new, metrics
 
 

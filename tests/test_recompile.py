@@ -12,7 +12,7 @@ from ppgd_tpu.engine import Trainer
 
 
 VARIANTS = {"full", "full_keep", "compute_ci", "repeat", "mean_accum", "mean_update",
-            "zero_accumulator"}
+            "zero_accumulator", "copy_V"}
 
 
 @pytest.mark.parametrize("mode", ["every", "first", "mean"])

@@ -109,10 +109,12 @@ def test_W2_last_follows_first_on_components_and_sources_and_its_update_is_a_pla
     _assert_same(last_end.components, plain.components, rtol=1e-6, atol=1e-9)
 
 
-def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target):
-    # A CI fn that reads taps only: its envelope is exactly the same at every step of the
-    # window (the per-component family also reads V, which moves inside the window).
-    dec, mean_end, states, metrics = _run(target, "mean", K, ci_kind="per_site_mlp", ppgd=False)
+@pytest.mark.parametrize("ci_kind", ["per_site_mlp", "per_component_mlp"])
+def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target, ci_kind):
+    """The per-site CI fn reads taps only; the per-component one also reads V, which moves
+    inside the window: its update is taken at the V that made the envelope, not the V of the
+    window's last step (that would not be the gradient of the window's loss)."""
+    dec, mean_end, states, metrics = _run(target, "mean", K, ci_kind=ci_kind, ppgd=False)
     batch = target.sample(jax.random.key(0), 64)
     mu = lambda st: _leaves(st.opt_ci_fn[0].mu)  # fresh Adam: first moment = (1 - b1) g
 
@@ -127,14 +129,19 @@ def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target):
                                      st.components, {}, e)[0]
         cots.append(jax.grad(loss)(env))
     mean_cot = jax.tree.map(lambda *xs: sum(xs) / K, *cots)
-    def envelope_of(ci_fn):
-        ci = dec.ci(ci_fn, states[-1].components, target, batch)
+    def envelope_of(ci_fn, components):
+        ci = dec.ci(ci_fn, components, target, batch)
         return Envelope(ci.lower, ci.upper)
 
-    _, vjp = jax.vjp(envelope_of, states[-1].ci_fn)
+    _, vjp = jax.vjp(lambda f: envelope_of(f, states[0].components), states[-1].ci_fn)
     want = [0.1 * x for x in _leaves(vjp(mean_cot)[0])]
     for got, w in zip(mu(mean_end), want):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+    if ci_kind == "per_component_mlp":  # the window's V moved: the other point differs
+        _, at_last = jax.vjp(lambda f: envelope_of(f, states[-1].components), states[-1].ci_fn)
+        wrong = [0.1 * x for x in _leaves(at_last(mean_cot)[0])]
+        assert max(np.abs(w - x).max() / np.abs(w).max() for w, x in zip(want, wrong)) > 1e-3
+        return
 
     # ... which is the mean of the k per-step CI gradients up to the one non-linearity of
     # the pull-back: lower_leaky_hard's backward at x <= 0 depends on the cotangent's sign [S6].

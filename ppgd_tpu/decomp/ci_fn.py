@@ -85,8 +85,6 @@ class PerComponentMLP(eqx.Module):
     def input_names(self) -> tuple[str, ...]:
         return tuple(self.w1)
 
-    uses_components = True  # CI values depend on V (replay checkpoints keep the envelope)
-
     @property
     def reads_components(self) -> bool:
         """Whether CI carries gradient into the components."""
@@ -135,6 +133,11 @@ class GlobalMLP(eqx.Module):
         x = jnp.concatenate([dense(taps[s]) for s in self.sites], axis=-1)
         y = jax.nn.gelu(x @ self.w1 + self.b1) @ self.w2 + self.b2
         return dict(zip(self.sites, jnp.split(y, np.cumsum(self.widths)[:-1], axis=-1)))
+
+
+def uses_components(kind: str) -> bool:
+    """Whether a family's CI values depend on the components (V), not on the taps alone."""
+    return kind == "per_component_mlp"
 
 
 def init(cfg: CIFnConfig, key, d_in: dict[str, int], C: dict[str, int]):
