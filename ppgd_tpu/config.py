@@ -642,7 +642,7 @@ def validate(cfg: Config) -> Config:
         if sched.warmup_steps >= cfg.decomp.steps and sched.kind != "constant":
             raise ConfigError(
                 f"{sched_path}.warmup_steps: {sched.warmup_steps} leaves no decay steps "
-                f"(decomp.steps = {cfg.decomp.steps}); the [S20] denominator would be <= 0")
+                f"(decomp.steps = {cfg.decomp.steps}); it must be below decomp.steps [S20]")
     imp = cfg.loss.imp_min
     g = imp.gamma
     if imp.kind == "smooth_l0" and (g.value <= 0 or g.warmup_steps > 0

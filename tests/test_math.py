@@ -81,6 +81,17 @@ def test_S20_linear_schedule_endpoints():
     assert float(schedules.schedule_value(s, 1000, 50)) == pytest.approx(0.4)
 
 
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+def test_S20_one_decay_step_is_the_last_step_and_takes_the_final_value(kind):
+    """decay_steps = 1 (steps = warmup + 1): the [S20] denominator decay_steps - 1 is 0, and
+    the one decay step is step = steps - 1, where the final value is reached."""
+    s = Schedule(kind, 2.0, warmup_steps=4, final_frac=0.1)
+    assert [float(schedules.schedule_value(s, i, 5)) for i in range(5)] == pytest.approx(
+        [0.0, 0.5, 1.0, 1.5, 0.2])
+    one = Schedule(kind, 2.0, final_frac=0.1)  # a one-step run
+    assert float(schedules.schedule_value(one, 0, 1)) == pytest.approx(0.2)
+
+
 def test_S19_clip_scale_includes_1e_minus_6():
     g = {"a": jnp.array([3.0, 4.0])}  # norm 5
     out = schedules.clip_by_global_norm(g, 0.01)

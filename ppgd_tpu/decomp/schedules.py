@@ -20,16 +20,17 @@ def schedule_value(s: Schedule, step, total_steps: int):
 
     Warmup: value * step / warmup_steps for step < warmup_steps. Then progress
     (step - warmup) / (decay_steps - 1) with decay_steps = total_steps - warmup_steps, so
-    the final value value*final_frac is reached AT step = total_steps - 1.
+    the final value value*final_frac is reached AT step = total_steps - 1. With one decay
+    step (decay_steps - 1 = 0) that step is the last: it takes the final value.
     """
     step = jnp.asarray(step, jnp.float32)
     peak = jnp.float32(s.value)
     if s.kind == "constant":
         after = peak
     else:
-        decay_steps = max(total_steps - s.warmup_steps, 1)
-        denom = jnp.float32(max(decay_steps - 1, 1))
-        progress = jnp.clip((step - s.warmup_steps) / denom, 0.0, 1.0)
+        denom = total_steps - s.warmup_steps - 1  # decay_steps - 1; config keeps it >= 0
+        progress = (jnp.clip((step - s.warmup_steps) / jnp.float32(denom), 0.0, 1.0)
+                    if denom > 0 else jnp.float32(1.0))
         end = peak * s.final_frac
         if s.kind == "linear":
             after = peak + (end - peak) * progress
