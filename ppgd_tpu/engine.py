@@ -171,10 +171,14 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     start = checkpoint.latest_step(rd.path)
     window = []  # metrics of the steps since the last log (for their statistics)
     if start is None:  # a fresh run: init, then the faithfulness warmup [S21]
+        began = time.perf_counter()
         start, state = 0, trainer.init_state()
         # Dispatch is asynchronous: wait for the warmup, so that a signal while it computes
         # is seen here, as during warmup, and not after step 1 [C5]. Once, before the loop.
         jax.block_until_ready(state)
+        if cfg.decomp.faithfulness_warmup_steps:
+            logging.info("%sinit and faithfulness warmup (%d steps): %.1f s", dist.tag(),
+                         cfg.decomp.faithfulness_warmup_steps, time.perf_counter() - began)
         if stop.should_stop(-1):
             print(f"stopped ({stop.reason}) during faithfulness warmup; nothing was saved. "
                   "Re-run the same command to start over.")
