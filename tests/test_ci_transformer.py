@@ -97,15 +97,30 @@ def test_chunk_homogeneity_is_checked_at_init_naming_the_chunk():
                     {s: w.shape[0] for s, w in t.site_weights().items()}, {names[0]: 3})
 
 
-def test_S27_inv_freq_gets_no_gradient_and_params_train():
-    """Every parameter gets a finite, nonzero gradient; RoPE frequencies are not parameters."""
+def test_S27_rope_has_base_10000_and_its_inv_freq_gets_no_gradient():
+    """The tables the CI fn rotates by are cos/sin of t * 10000^(-2i/d) (rotate-half), and
+    no gradient reaches the frequencies, not even from a traced base. (That inv_freq is no
+    parameter of the CI fn: test_parameter_count_follows_the_config counts every one.)"""
+    T, hd = 6, 8
+    inv = ci_transformer.ROPE_BASE ** (-np.arange(0, hd, 2) / hd)
+    ang = np.arange(T)[:, None] * inv[None, :]
+    ang = np.concatenate([ang, ang], axis=-1)
+    cos, sin = lm.rope_tables(T, hd, ci_transformer.ROPE_BASE)
+    np.testing.assert_allclose(cos, np.cos(ang), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sin, np.sin(ang), rtol=1e-5, atol=1e-6)
+    assert ci_transformer.ROPE_BASE == 10000.0  # SPEC's base
+    tables = lambda base: sum(jnp.sum(x) for x in lm.rope_tables(T, hd, base))
+    assert float(jax.grad(tables)(10000.0)) == 0.0
+    # ... while the same tables do depend on the base (the zero is the stop-gradient's)
+    assert tables(10000.0) != tables(5000.0)
+
+
+def test_every_ci_transformer_parameter_gets_a_finite_nonzero_gradient():
     f, t = _ci(dataclasses.replace(CI, taps="resid"))
     taps = t.read_activations(_tokens(), f.input_names)
     g = jax.jit(jax.grad(lambda f: sum(jnp.sum(v ** 2) for v in f(taps, None).values())))(f)
     for path, leaf in jax.tree_util.tree_leaves_with_path(g):
         assert np.all(np.isfinite(leaf)) and np.abs(np.asarray(leaf)).max() > 0, path
-    # inv_freq is derived from constants inside the call, never a leaf of the CI fn.
-    assert all(leaf.ndim >= 2 for leaf in jax.tree.leaves(f.params.blocks))
 
 
 def test_remat_matches_plain():

@@ -115,7 +115,15 @@ def test_activation_density_counts_positions_per_component():
     np.testing.assert_allclose(activation_density(ci, 0.1), [0, 0.5, 0, 1])
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob("configs/pile_4L_*.yaml")))
+PILE_CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs",
+                                             "pile_4L_*.yaml")))
+
+
+def test_the_production_configs_are_found():
+    assert PILE_CONFIGS  # found from any working directory
+
+
+@pytest.mark.parametrize("path", PILE_CONFIGS, ids=os.path.basename)
 def test_production_configs_validate_and_build_abstractly(path):
     """Target init and Decomposer init traced with jax.eval_shape: no real allocation."""
     cfg = load(path)
