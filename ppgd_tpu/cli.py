@@ -394,6 +394,9 @@ def main() -> None:
         code = run(sys.argv[1:])
     except (KeyboardInterrupt, signals.Terminated):
         _interrupted()
+    except BrokenPipeError:  # `ppgd-tpu train --helpfull | head`: the reader is gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
+        sys.exit(141)  # as if killed by SIGPIPE
     except Exception as e:
         if signals.seen:  # the signal's raise, turned into another error (an import's)
             _interrupted()

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import operator
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -22,6 +23,10 @@ import yaml
 
 class ConfigError(ValueError):
     """A refused configuration; the message names the dotted path and what is valid."""
+
+
+# JAX keys take 32 bits of a seed: a larger or negative one would silently be another's
+SEED_MAX = 2 ** 32 - 1
 
 
 def _f(default=dataclasses.MISSING, help: str = "", lo=None, hi=None, factory=None, gt=None,
@@ -124,7 +129,8 @@ class LlamaConfig:
 @dataclass(frozen=True)
 class TargetConfig:
     kind: Literal["tms", "resid_mlp", "llama_simple_mlp"] = _f("tms", "which frozen target")
-    seed: int = _f(0, "target pretraining seed (the target is a pure function of its config)")
+    seed: int = _f(0, "target pretraining seed (the target is a pure function of its config)",
+                   lo=0, hi=SEED_MAX)
     path: str = _f("", "safetensors weights to load (local or gs://); empty = train from this "
                    "config and cache")
     tms: TMSConfig = _f(factory=TMSConfig, help="TMS target")
@@ -238,7 +244,8 @@ class DataConfig:
                     "gs://bucket/prefix); rows give inputs row[:-1] and labels row[1:]")
     eval_rows: int = _f(0, "LM targets: store rows held out (the first ones) for eval, as "
                         "in LM pretraining; 0 = eval draws from all rows", lo=0)
-    eval_seed: int = _f(1, "LM targets: seed of the eval rows' order (the eval batch)")
+    eval_seed: int = _f(1, "LM targets: seed of the eval rows' order (the eval batch)", lo=0,
+                        hi=SEED_MAX)
 
 
 @dataclass(frozen=True)
@@ -287,7 +294,8 @@ class MeshConfig:
 @dataclass(frozen=True)
 class Config:
     name: str = _f("tms_5-2", "experiment name (run dir prefix)")
-    seed: int = _f(0, "run seed: every draw is fold_in(seed, global step, ...) [R1]")
+    seed: int = _f(0, "run seed: every draw is fold_in(seed, global step, ...) [R1]", lo=0,
+                   hi=SEED_MAX)
     target: TargetConfig = _f(factory=TargetConfig, help="frozen target")
     decomp: DecompConfig = _f(factory=DecompConfig, help="decomposition")
     loss: LossConfig = _f(factory=LossConfig, help="losses")
@@ -616,6 +624,10 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(
                 f"loss.*.{n}: recon term names must be unique identifiers across loss.stochastic, "
                 f"loss.persistent_pgd and loss.fresh_pgd, and not one of {sorted(reserved)}")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.name):
+        raise ConfigError(
+            f"name: {cfg.name!r} is not a plain name (letters, digits and . _ - , not "
+            "starting with . _ -): without --run_dir the run dir is runs/<name>-<timestamp>")
     if not names:
         raise ConfigError("loss: at least one recon term (loss.stochastic / persistent_pgd / "
                           "fresh_pgd) is required")

@@ -78,7 +78,7 @@ def normalize(path: str) -> str:
         return _GCS + bucket + ("/" + rest if rest else "")
     if "://" in path:
         raise ValueError(f"path {path!r}: only local paths and gs://bucket/path are supported")
-    return os.path.abspath(path)
+    return os.path.abspath(os.path.expanduser(path))  # `--run_dir=~/x`: no shell expands it
 
 
 @_reports_path

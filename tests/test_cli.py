@@ -17,6 +17,7 @@ import yaml
 from ppgd_tpu import cli
 from ppgd_tpu import config as config_lib
 from ppgd_tpu import load_decomposition
+from ppgd_tpu import storage
 
 TINY = ["--decomp.steps=60", "--data.batch_size=64", "--eval.batch_size=256", "--eval.every=30",
         "--log.every=20", "--log.progress=false", "--eval.pgd_steps=2"]
@@ -49,6 +50,10 @@ def _run(argv, capsys):
      "reaches 0"),
     (["--decomp.use_delta=maybe"], "decomp.use_delta: 'maybe' is not a bool; expected true or false"),
     (["--decomp.steps=0"], "decomp.steps: 0 is out of range; must be >= 1"),
+    # JAX keys keep 32 bits: 2**32 would be seed 0's run, -1 seed 2**32 - 1's
+    (["--seed=4294967296"], "seed: 4294967296 is out of range; must be <= 4294967295"),
+    (["--target.seed=-1"], "target.seed: -1 is out of range; must be >= 0"),
+    (["--seed=99999999999999999999"], "seed: 99999999999999999999 is out of range"),
     (["--loss.imp_min.kind=l3"], "loss.imp_min.kind: 'l3' is not valid; expected one of 'lp', 'smooth_l0'"),
     (["--data.train_batch_replay=1", "--data.replay_ci_update=first"],
      "data.replay_ci_update: 'first' needs data.train_batch_replay >= 2"),
@@ -59,10 +64,18 @@ def _run(argv, capsys):
      "decomp.lr_components.warmup_steps"),
     (["stray"], "unexpected arguments"),
     (["--decomp.sites.linear1=x"], "decomp.sites.linear1: 'x' is not an integer"),
+    (["--decomp.sites.lin*=3"], "decomp.sites.lin*: decides no site: each one it matches is "
+                                "decided by an exact name or an earlier pattern (linear1 by "
+                                "'*', linear2 by '*')"),
     (["--decomp.tie.linear2=linear3"], "decomp.tie.linear2: 'linear3' is not a decomposed site"),
     (["--loss.stochastic.extra.cof=1"], "--loss.stochastic.extra.cof: unknown flag"),
+    (["--name=../../elsewhere"], "name: '../../elsewhere' is not a plain name"),
+    (["--name="], "name: '' is not a plain name"),
+    (["--target.path={tmp}"], "target.path: {tmp} is a directory; expected a safetensors file"),
 ])
 def test_refused_flags_exit_2_with_the_path(argv, needle, capsys, tmp_path):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    needle = needle.format(tmp=tmp_path)
     rc, _, err = _run(["train", f"--run_dir={tmp_path / 'r'}", *argv], capsys)
     assert rc == 2
     assert needle in err
@@ -560,3 +573,22 @@ def test_the_progress_bar_shows_the_loss_of_the_step_it_reaches(capsys):
         shown = capsys.readouterr().err.split("\r")[-1]
         assert f"{step}/30" in shown and f"loss={loss:.3e}" in shown, shown
     bar.close()
+
+
+def test_help_into_a_pipe_that_closes_ends_quietly():
+    """`ppgd-tpu train --helpfull | head -1`: no BrokenPipeError traceback, exit 141."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write: every write fails
+    try:
+        p = subprocess.run([sys.executable, "-m", "ppgd_tpu", "train", "--helpfull"],
+                           stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert p.returncode == 141, p.stderr
+    assert p.stderr == ""
+
+
+def test_a_run_dir_under_tilde_is_under_home(monkeypatch, tmp_path):
+    """`--run_dir=~/x` reaches no shell expansion (it follows `=`): expanded here."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert storage.normalize("~/runs/x") == str(tmp_path / "runs" / "x")

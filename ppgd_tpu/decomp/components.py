@@ -25,23 +25,29 @@ class Components(eqx.Module):
 def resolve_sites(patterns: dict[str, int], site_names) -> dict[str, int]:
     """{site: C} for every target site matched by a pattern, in the target's canonical order.
 
-    An exact name beats a glob; a pattern matching nothing is refused (a typo would
-    otherwise silently leave a site undecomposed).
+    An exact name beats a glob, and the first matching glob beats later ones. A pattern
+    that decides no site is refused: one matching nothing (a typo would otherwise silently
+    leave a site undecomposed), and one whose every site an earlier pattern decides (its C
+    would silently not apply: a command-line override comes after the config's patterns).
     """
-    out = {}
-    for pat, c in patterns.items():
-        hits = [s for s in site_names if fnmatch.fnmatchcase(s, pat)]
-        if not hits:
+    out, decided_by = {}, {}
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(s, pat) for s in site_names):
             raise ConfigError(f"decomp.sites.{pat}: matches no site of this target; "
                               f"its sites are {', '.join(site_names)}")
     for s in site_names:
-        if s in patterns:
-            out[s] = patterns[s]
-            continue
-        for pat, c in patterns.items():
-            if fnmatch.fnmatchcase(s, pat):
-                out[s] = c
-                break
+        pat = s if s in patterns else next(
+            (p for p in patterns if fnmatch.fnmatchcase(s, p)), None)
+        if pat is not None:
+            out[s], decided_by[s] = patterns[pat], pat
+    for pat in patterns:
+        if pat not in decided_by.values():
+            hits = [s for s in site_names if fnmatch.fnmatchcase(s, pat)]
+            winners = ", ".join(f"{s} by {decided_by[s]!r}" for s in hits)
+            raise ConfigError(
+                f"decomp.sites.{pat}: decides no site: each one it matches is decided by an "
+                f"exact name or an earlier pattern ({winners}); remove it, or name the sites "
+                "exactly")
     return out
 
 
