@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -289,7 +290,8 @@ def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
     """The consumer API: components as numpy, {site: {"V": [d_in, C], "U": [C, d_out]}}.
 
     A finished run's decomposition.safetensors; for a run still going (or stopped), the
-    `decomposition` part of its latest committed checkpoint [C2] (no mesh needed).
+    `decomposition` part of its latest committed checkpoint [C2] (no mesh needed), with a
+    warning that names its step: those are not the final components.
     """
     if not storage.exists(run_dir):
         raise FileNotFoundError(f"{run_dir}: no such run directory")
@@ -312,7 +314,10 @@ def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
     if checkpoint.latest_step(run_dir) is None:
         raise FileNotFoundError(f"{run_dir}: no decomposition yet ({DECOMPOSITION} missing and "
                                 "no committed checkpoint)")
-    arrays = checkpoint.restore(run_dir, parts=("decomposition",)).arrays
+    step = checkpoint.latest_step(run_dir)
+    warnings.warn(f"{run_dir} has not finished: these are the components of its checkpoint "
+                  f"at step {step}, not the final ones", stacklevel=2)
+    arrays = checkpoint.restore(run_dir, step, parts=("decomposition",)).arrays
     prefix = "decomposition/components/"
     for name, arr in arrays.items():
         if name.startswith(prefix):

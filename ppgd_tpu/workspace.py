@@ -201,10 +201,13 @@ class RunDir:
             ("data.store",) if storage.exists(self.file(STORE)) else ())
         diff = config_lib.trajectory_diff(old, cfg, also_resumable=moved)
         if diff:
+            fresh = not self.complete and manifest.latest_step(self.path) is None
             raise ConfigError(
                 f"--run_dir: {self.path} was started with a different config; these fields "
                 "change the trajectory and may not differ on resume:\n" + "\n".join(diff)
-                + "\n(use a new --run_dir, or the original values)")
+                + "\n(use a new --run_dir, or the original values"
+                + (f"; that run has no checkpoint yet: to start it over with this config, "
+                   f"remove {self.path})" if fresh else ")"))
         if self.complete:  # nothing will be written: reported "already complete"
             return
         problem = None

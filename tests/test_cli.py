@@ -459,11 +459,26 @@ def test_rerun_complete_and_refused_resume_leave_the_dir_untouched(finished_run,
     rc, _, err = _run(["train", f"--run_dir={finished_run}", *TINY,
                        "--loss.imp_min.coeff=0.5"], capsys)
     assert rc == 2 and "loss.imp_min.coeff: 0.003 -> 0.5" in err
+    assert "no checkpoint yet" not in err
     # fields that do not change the trajectory may differ (WORKSPACE.md)
     rc, out, _ = _run(["train", f"--run_dir={finished_run}", *TINY, "--log.every=5"], capsys)
     assert rc == 0 and "already complete" in out
     after = {f: open(finished_run / f, "rb").read() for f in before}
     assert before == after
+
+
+def test_a_refused_run_that_never_checkpointed_says_it_may_be_started_over(finished_run,
+                                                                            tmp_path, capsys):
+    """A run that died before its first checkpoint (e.g. out of memory at its first step)
+    keeps its config like any other; the refusal says removing it loses no checkpoint."""
+    run = tmp_path / "r"
+    shutil.copytree(finished_run, run)
+    shutil.rmtree(run / "ckpts")
+    (run / "summary.json").unlink()
+    rc, _, err = _run(["train", f"--run_dir={run}", *TINY, "--loss.imp_min.coeff=0.5"], capsys)
+    assert rc == 2 and "loss.imp_min.coeff: 0.003 -> 0.5" in err
+    assert f"that run has no checkpoint yet: to start it over with this config, remove {run}" \
+        in err
 
 
 def test_a_summary_changed_by_hand_is_refused_not_read(finished_run, tmp_path, capsys):

@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -208,10 +209,14 @@ def test_C2_load_decomposition_reads_a_stopped_run_from_its_checkpoint(tmp_path)
 
     run = tmp_path / "r"
     assert cli.run(_args(run, "every", ["--checkpoint.every=4"])) == 0
-    final = load_decomposition(str(run))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a finished run's components are final: no warning
+        final = load_decomposition(str(run))
     os.remove(run / "decomposition.safetensors")  # as if the run had stopped at step N
     os.remove(run / "summary.json")
-    from_ckpt = load_decomposition(str(run))
+    with pytest.warns(UserWarning, match=f"{run} has not finished: these are the components "
+                      f"of its checkpoint at step {N}, not the final ones"):
+        from_ckpt = load_decomposition(str(run))
     assert set(from_ckpt) == set(final) == {"linear1", "linear2"}
     for site in final:
         for part in ("V", "U"):
