@@ -4,6 +4,8 @@ digest, verify and the CLI, on local disk and on gs:// (real fake-gcs-server) [C
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 import jax
@@ -57,7 +59,7 @@ def files_of(run_dir: str, step: int) -> dict[str, int]:
     return storage.list_files(mf.step_dir(run_dir, step))
 
 
-def test_roundtrip_bitwise_C1_C2(run_dir):
+def test_roundtrip_is_bitwise_with_its_manifest(run_dir):
     state = make_state()
     with Checkpointer(run_dir, config_hash="cfg123") as ckpt:
         ckpt.save(10, state, meta={"note": "hello"})
@@ -123,32 +125,47 @@ def test_retention_keeps_last_n_and_every_C4(tmp_path):
     assert [e.step for e in mf.list_steps(run_dir)] == [4, 8, 9]
 
 
-def test_retention_spares_incomplete_until_newer_commit_C4(tmp_path, monkeypatch):
-    run_dir = str(tmp_path / "run")
-    state = make_state()
-    with Checkpointer(run_dir, keep_last_n=1) as ckpt:
-        ckpt.save(1, state)
-        ckpt.save(2, state)
-    # A save whose write dies: nothing older may be deleted, and the error surfaces on the
-    # next call.
-    real_write = arrays_io.write_leaves
+def test_retention_spares_incomplete_until_newer_commit_C4(tmp_path):
+    """A save whose write dies (a full disk, as a real file-size limit in a real process):
+    nothing older is deleted, the error surfaces on the next call, and once writes work
+    again the next save commits and retention removes both."""
+    code = f"""
+import json, resource, signal, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_checkpoint_format import make_state
+from ppgd_tpu.checkpoint import manifest as mf
+from ppgd_tpu.checkpoint.checkpointer import Checkpointer
 
-    def failing_write(root, leaves):
-        raise OSError("disk on fire")
-
-    monkeypatch.setattr(arrays_io, "write_leaves", failing_write)
-    ckpt = Checkpointer(run_dir, keep_last_n=1)
-    ckpt.save(3, state)
-    with pytest.raises(RuntimeError, match="step 3") as err:
-        ckpt.save(4, state)
-    assert "disk on fire" in str(err.value.__cause__)
-    assert [(e.step, e.committed) for e in mf.list_steps(run_dir)] == [(2, True), (3, False)]
-    assert mf.retain(run_dir, keep_last_n=1) == []  # 3 is newer than the newest commit
-
-    monkeypatch.setattr(arrays_io, "write_leaves", real_write)
-    ckpt.save(5, state)
-    ckpt.close()
-    assert [(e.step, e.committed) for e in mf.list_steps(run_dir)] == [(5, True)]
+run_dir, state = {str(tmp_path / "run")!r}, make_state()
+with Checkpointer(run_dir, keep_last_n=1) as ckpt:
+    ckpt.save(1, state)
+    ckpt.save(2, state)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))  # the [6, 8] float leaves need more
+ckpt = Checkpointer(run_dir, keep_last_n=1)
+ckpt.save(3, state)
+try:
+    ckpt.save(4, state)
+    error = None
+except RuntimeError as e:
+    error = [str(e), str(e.__cause__)]
+steps = [(e.step, e.committed) for e in mf.list_steps(run_dir)]
+retained = mf.retain(run_dir, keep_last_n=1)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+ckpt.save(5, state)
+ckpt.close()
+print(json.dumps({{"error": error, "steps": steps, "retained": retained,
+                  "after": [(e.step, e.committed) for e in mf.list_steps(run_dir)]}}))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["error"] is not None, r
+    assert "step 3" in r["error"][0] and "File too large" in r["error"][1], r["error"]
+    assert r["steps"] == [[2, True], [3, False]]  # the failed save left step 3 uncommitted
+    assert r["retained"] == []  # 3 is newer than the newest commit: kept
+    assert r["after"] == [[5, True]]
 
 
 def test_save_blocks_only_for_host_copy_and_one_in_flight(tmp_path, monkeypatch):
@@ -180,7 +197,7 @@ def test_save_blocks_only_for_host_copy_and_one_in_flight(tmp_path, monkeypatch)
     assert_bitwise(make_state(1), restore(run_dir, step=2).arrays)
 
 
-def test_resave_of_committed_step_is_skipped_C3(tmp_path):
+def test_a_committed_step_is_never_rewritten(tmp_path):
     run_dir = str(tmp_path / "run")
     save(run_dir, 1, make_state(0))
     save(run_dir, 1, make_state(1))

@@ -136,5 +136,5 @@ def test_production_configs_validate_and_build_abstractly(path):
     n_target = sum(x.size for x in jax.tree.leaves(target))
     n_ci = ci_transformer.n_params(state.ci_fn)
     assert n_ci > 10 * n_target
-    for adv in state.adversaries.values():  # bsc: one source per row and position [S5]
+    for adv in state.adversaries.values():  # bsc: one source per row and position (SPEC 5)
         assert all(v.shape[:2] == (64, 512) for v in adv.sources.values())

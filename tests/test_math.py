@@ -343,7 +343,8 @@ def test_S15_idle_ascents_are_ascents_with_a_zero_gradient(n):
     np.testing.assert_allclose(got.m["a"], m, rtol=1e-6)
     np.testing.assert_allclose(got.v["a"], v, rtol=1e-6)
     assert float(got.step_count) == 4.0 + n
-def test_S5_scopes_shapes():
+def test_adversary_scope_shapes():
+    """SPEC 5: `sc` one source shared across the batch (per position), `bsc` one per row."""
     assert adversary.scope_shape("sc", (8,)) == (1,)
     assert adversary.scope_shape("bsc", (8,)) == (8,)
     assert adversary.scope_shape("sc", (8, 16)) == (1, 16)
@@ -916,7 +917,7 @@ def _live_sizes_by_formula(rows, feature_probability, n_features):
     ("tms", 0.05, 0, "per_component_mlp"), ("tms", 0.6, 1, "per_component_mlp"),
     ("tms", 0.05, 0, "global_mlp"), ("resid_mlp", 0.01, 0, "per_component_mlp"),
     ("resid_mlp", 0.6, 1, "per_component_mlp")])
-def test_S2_step_on_the_live_rows_equals_the_full_batch_step(kind, data_p, size, ci_kind):
+def test_step_on_the_live_rows_equals_the_full_batch_step(kind, data_p, size, ci_kind):
     """live_rows.py: a row whose every site input is zero cannot move a recon divergence or
     any gradient, so the step that runs its masked forwards (stochastic with uniform_k
     routes, layerwise, persistent `bsc` with warmups and `sc`, fresh PGD) on the live rows

@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 
+import numpy as np
 import pytest
 
 from ppgd_tpu import checkpoint, cli
@@ -221,3 +222,28 @@ def test_C2_load_decomposition_reads_a_stopped_run_from_its_checkpoint(tmp_path)
     for site in final:
         for part in ("V", "U"):
             assert (from_ckpt[site][part] == final[site][part]).all()
+
+
+def test_W1_the_loop_trains_step_s_on_batch_s_div_k(tmp_path):
+    """[W1] through the real loop: a run with k = 2 ends where a hand loop over
+    trainer.batch(s // 2) ends, bitwise, and not where one over trainer.batch(s) ends."""
+    from ppgd_tpu import config, resume
+    from ppgd_tpu.engine import Trainer
+
+    run = tmp_path / "r"
+    assert cli.run(["train", f"--run_dir={run}", "--decomp.steps=4",
+                    "--data.train_batch_replay=2", "--data.replay_ci_update=every",
+                    "--checkpoint.every=4", *TINY]) == 0
+    got = checkpoint.restore(str(run), 4).arrays
+    trainer = Trainer(config.load(str(run / "config.yaml")))
+
+    def by_hand(batch_of_step):
+        state = trainer.init_state()
+        for s in range(4):
+            state, _ = trainer.replay.full(state, trainer.target, trainer.batch(batch_of_step(s)))
+        return {n: np.asarray(x) for n, x in resume.state_leaves(state).items()}
+
+    want = by_hand(lambda s: s // 2)
+    assert all((got[n] == want[n]).all() for n in want)
+    other = by_hand(lambda s: s)
+    assert not all((got[n] == other[n]).all() for n in other)
