@@ -170,7 +170,8 @@ class DecompConfig:
     lr_components: Schedule = _f(factory=lambda: Schedule("cosine", 1e-3), help="V/U lr")
     lr_ci_fn: Schedule = _f(factory=lambda: Schedule("cosine", 1e-3), help="CI fn lr")
     weight_decay: float = _f(0.0, "AdamW weight decay (components and CI fn)", lo=0.0)
-    grad_clip_components: float = _f(0.01, "global-norm clip of the component gradient [S19]", lo=0.0)
+    grad_clip_components: float = _f(
+        0.01, "global-norm clip of the component gradient, 0 = none [S19]", lo=0.0)
     faithfulness_warmup_steps: int = _f(0, "AdamW steps on faithfulness alone before step 0 [S21]", lo=0)
     faithfulness_warmup_lr: float = _f(1e-3, "lr of the faithfulness warmup", lo=0.0)
     faithfulness_warmup_weight_decay: float = _f(0.0, "AdamW weight decay of the faithfulness "

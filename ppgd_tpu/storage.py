@@ -176,11 +176,16 @@ def write_bytes(path: str, data: bytes) -> None:
         return
     os.makedirs(os.path.dirname(p), exist_ok=True)
     tmp = f"{p}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:  # a full disk, a directory at `p`: leave nothing behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 @_reports_path

@@ -350,6 +350,10 @@ class RunDir:
         file was changed by hand."""
         try:
             return json.loads(storage.read_bytes(self.file(SUMMARY)))
+        except IsADirectoryError:
+            raise ConfigError(f"--run_dir: {self.file(SUMMARY)} is a directory; the file "
+                              "marks a run complete: move it away to run the final evaluation "
+                              "again from the last checkpoint") from None
         except ValueError as e:
             raise ConfigError(
                 f"--run_dir: {self.file(SUMMARY)} marks this run complete but is not valid "

@@ -280,7 +280,9 @@ def test_restore_refuses_a_damaged_committed_step_C4(run_dir, damage, capsys):
         restore(run_dir, 1)
     if "chunk" not in damage:
         assert cli.main(["digest", run_dir]) == 2
-        assert f"{manifest} is damaged" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"{manifest} is damaged" in err
+        assert f"delete {sdir} to resume from the checkpoint before it" in err
 
 
 def test_cli_ls_digest_and_bad_paths(run_dir, capsys):

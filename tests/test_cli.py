@@ -481,6 +481,16 @@ def test_a_refused_run_that_never_checkpointed_says_it_may_be_started_over(finis
         in err
 
 
+def test_a_summary_that_is_a_directory_is_refused_naming_it(finished_run, tmp_path, capsys):
+    run = tmp_path / "r"
+    shutil.copytree(finished_run, run)
+    (run / "summary.json").unlink()
+    (run / "summary.json").mkdir()
+    rc, out, err = _run(["train", f"--run_dir={run}", *TINY], capsys)
+    assert rc == 2 and f"{run / 'summary.json'} is a directory" in err, err
+    assert "already complete" not in out
+
+
 def test_a_summary_changed_by_hand_is_refused_not_read(finished_run, tmp_path, capsys):
     run = tmp_path / "r"
     shutil.copytree(finished_run, run)

@@ -263,6 +263,17 @@ for step in range(10000):
     assert p.returncode == 1 and "OSError: [Errno 27] File too large" in p.stderr, p.stderr[-2000:]
 
 
+def test_H_an_atomic_write_that_fails_leaves_no_temp_file(tmp_path):
+    """storage.write_bytes writes a sibling temp file and renames it; when the rename fails
+    (here: a directory in the way; a read-only bind mount of the file, a full disk mid-write
+    fail alike) the temp file goes with the error instead of lingering beside the run's."""
+    (tmp_path / "metrics.jsonl").mkdir()
+    (tmp_path / "metrics.jsonl" / "keep").write_text("x")
+    with pytest.raises(OSError):
+        storage.write_bytes(str(tmp_path / "metrics.jsonl"), b"{}\n")
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
+
+
 # ------------------------------------------------------------------- D: unwritable run dir
 
 

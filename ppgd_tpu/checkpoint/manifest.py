@@ -84,11 +84,12 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "Manifest":
         """Raises DamagedCheckpoint naming `where` unless `data` is a manifest as written."""
+        fix = f"; delete {where.rsplit('/', 1)[0]} to resume from the checkpoint before it"
         try:
             d = json.loads(data)
             version = d.get("format_version")
         except (ValueError, AttributeError) as e:  # not JSON, or JSON but not an object
-            raise DamagedCheckpoint(f"{where} is damaged: not a JSON object ({e})") from None
+            raise DamagedCheckpoint(f"{where} is damaged: not a JSON object ({e}){fix}") from None
         if version != FORMAT_VERSION:
             raise ValueError(f"{where}: checkpoint format_version {version!r}, this code "
                              f"reads {FORMAT_VERSION}")
@@ -96,7 +97,7 @@ class Manifest:
             d["leaves"] = {n: LeafInfo.from_json(i) for n, i in d["leaves"].items()}
             return cls(**d)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise DamagedCheckpoint(f"{where} is damaged: {type(e).__name__}: {e}") from None
+            raise DamagedCheckpoint(f"{where} is damaged: {type(e).__name__}: {e}{fix}") from None
 
     def part(self, parts) -> dict[str, LeafInfo]:
         unknown = set(parts) - set(PARTS)
