@@ -51,7 +51,7 @@ CMD="" TPU=${TPU_NAME:-} ZONE=${TPU_ZONE:-${CLOUDSDK_COMPUTE_ZONE:-}} PROJECT=${
 DRY_RUN=0 ACCEL="" RUNTIME=tpu-ubuntu2204-base CAPACITY="" QUEUED=0
 PACKAGE="" GIT_REF="" GIT_URL="" PYTHON=3.12 RUN_DIR="" PORT=8476 LOG_ROOT="" MAX_RETRIES=5
 WORKER=0 FOLLOW=0 LINES=100
-EXTRA_ENV=() TRAIN_ARGS=()
+EXTRA_ENV=() TRAIN_ARGS=() SSH_NET=()  # SSH_NET: --internal-ip / --tunnel-through-iap
 TMP="" RUNNING=() ACTION=""   # scratch dir; local ssh pids still to reap on exit
 
 die() { echo "$PROG $CMD: error: $*" >&2; exit 2; }
@@ -76,6 +76,9 @@ subcommands (each takes --help):
 common options: --tpu NAME (env TPU_NAME), --zone ZONE (env TPU_ZONE or
 CLOUDSDK_COMPUTE_ZONE), --project P (env TPU_PROJECT), --dry-run (print the gcloud
 commands that change something instead of running them; read-only describes still run).
+How ssh/scp reach the workers (setup, run, status, logs, stop, watch): --internal-ip (from a
+VM in the pod's VPC: workers without external IPs) or --tunnel-through-iap (through
+Identity-Aware Proxy, from outside); both are passed to every gcloud ssh and scp.
 EOF
 }
 
@@ -183,6 +186,8 @@ parse_opts() {
       --spot|--preemptible) only_for create watch; CAPACITY=$OPT; shift; continue ;;
       --queued) only_for create watch; QUEUED=1; shift; continue ;;
       --follow) only_for logs; FOLLOW=1; shift; continue ;;
+      --internal-ip|--tunnel-through-iap)
+        only_for setup run status logs stop watch; SSH_NET+=("$OPT"); shift; continue ;;
     esac
     (($# >= 2)) || die "option $OPT needs a value"
     val=$2
@@ -237,6 +242,8 @@ check_opts() {
   for a in BACKOFF_S BACKOFF_MAX_S POLL_S READY_TIMEOUT_S KILL_GRACE_S; do
     [[ ${!a} =~ ^[0-9]+$ ]] || die "TPU_POD_$a='${!a}' is not a whole number of seconds"
   done
+  ((${#SSH_NET[@]} < 2)) || [[ ${SSH_NET[0]} == "${SSH_NET[1]}" ]] \
+    || die "give --internal-ip or --tunnel-through-iap, not both"
   SCOPE=("--zone=$ZONE")
   [[ -z $PROJECT ]] || SCOPE+=("--project=$PROJECT")
   LOG_ROOT=${LOG_ROOT:-tpu_pod_logs/$TPU}
@@ -262,7 +269,7 @@ gc() {
 }
 
 ssh_args() {  # gcloud argv for an ssh to worker $1 running remote command $2
-  printf '%s\0' compute tpus tpu-vm ssh "$TPU" "${SCOPE[@]}" "--worker=$1" \
+  printf '%s\0' compute tpus tpu-vm ssh "$TPU" "${SCOPE[@]}" "--worker=$1" ${SSH_NET[@]+"${SSH_NET[@]}"} \
     --ssh-flag=-oConnectTimeout=30 --ssh-flag=-oServerAliveInterval=30 \
     --ssh-flag=-oServerAliveCountMax=6 "--command=$2"
 }
@@ -484,7 +491,8 @@ install_package() {
     local path="$REMOTE_DIR/dist/${PKG_FILE##*/}"
     spec="\"$path\"" tpu_spec="\"${path}[tpu]\""
     remote all "mkdir -p \"$REMOTE_DIR/dist\""
-    gc compute tpus tpu-vm scp "$PKG_FILE" "$TPU:ppgd_tpu/dist/" "${SCOPE[@]}" --worker=all
+    gc compute tpus tpu-vm scp "$PKG_FILE" "$TPU:ppgd_tpu/dist/" "${SCOPE[@]}" --worker=all \
+      ${SSH_NET[@]+"${SSH_NET[@]}"}
   fi
   # The second install replaces a same-version build that pip would otherwise keep.
   remote all "$venv && $pip install --upgrade $tpu_spec && $pip install --no-deps --force-reinstall $spec"

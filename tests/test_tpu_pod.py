@@ -142,6 +142,9 @@ def test_every_subcommand_has_help_and_calls_no_gcloud(tmp_path):
     (["run", *BASE, "--run_dir", "gs://b/r", "--", "--run_dir=gs://b/other"], "--run_dir is given both"),
     (["watch", *BASE, "--accelerator-type", "v4-32", "--", "x"], "--run_dir gs://... is required"),
     (["setup", *BASE, "--package", "missing.whl"], "--package 'missing.whl' is not a file"),
+    (["run", *BASE, "--internal-ip", "--tunnel-through-iap", "--", "x"],
+     "give --internal-ip or --tunnel-through-iap, not both"),
+    (["create", *BASE, "--internal-ip"], "option --internal-ip does not apply to 'create'"),
 ])
 def test_bad_input_is_refused_with_the_field_named(tmp_path, args, message):
     r = Launch(tmp_path, args)
@@ -502,6 +505,22 @@ def test_setup_installs_on_every_worker_and_checks_versions_agree(tmp_path):
     bad = Launch(tmp_path, ["setup", *BASE, "--package", str(pkg)], {"workers": 3, "versions": {"2": "0.0.9"}})
     assert bad.rc == 2
     assert "workers disagree on the ppgd-tpu version: worker 0=0.1.0 worker 1=0.1.0 worker 2=0.0.9" in bad.err
+
+
+@pytest.mark.parametrize("how", ["--internal-ip", "--tunnel-through-iap"])
+def test_workers_without_external_ips_are_reached_as_asked_by_every_ssh_and_scp(tmp_path, how):
+    """Pods in a VPC without external IPs: every gcloud ssh and scp of setup and run (and so
+    of watch, status, logs and stop, which use the same call) carries the flag."""
+    pkg = wheel(tmp_path, "0.1.0")
+    setup = Launch(tmp_path, ["setup", *BASE, how, "--package", str(pkg)], {"workers": 2})
+    run = Launch(tmp_path, ["run", *BASE, how, "--run_dir", "gs://b/r", "--", "--decomp.steps=1"],
+                 {"workers": 2})
+    assert setup.rc == 0 and run.rc == 0, (setup.err, run.err)
+    reaching = [c for r in (setup, run) for c in r.calls
+                if c[:4] in (["compute", "tpus", "tpu-vm", "ssh"], ["compute", "tpus", "tpu-vm", "scp"])]
+    assert {c[3] for c in reaching} == {"ssh", "scp"}
+    assert all(c.count(how) == 1 for c in reaching), reaching
+    assert len(run.trains()) == 2
 
 
 def test_setup_from_a_git_ref_quotes_the_requirement(tmp_path):
