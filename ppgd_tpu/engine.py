@@ -63,6 +63,11 @@ def batch_dtype(target):
     return jax.numpy.float32 if target.n_features is not None else jax.numpy.int32
 
 
+# Steps of the faithfulness warmup per dispatch: a stop is seen between two (~5 ms of a toy
+# target's warmup; more for an LM's sites); few enough dispatches not to cost.
+WARMUP_PART = 1000
+
+
 class Trainer:
     """Everything a run needs, jitted once on the run's mesh: the step, the data, the evals."""
 
@@ -102,15 +107,34 @@ class Trainer:
                                out_shardings=rep)
         self._gather = jax.jit(lambda tree: tree, out_shardings=rep)
 
-    def init_state(self) -> TrainState:
-        """[R1] placed init: the state is created sharded, equal to an unplaced init."""
+    def init_state(self, stop: dist.StopSignal | None = None) -> TrainState | None:
+        """[R1] placed init: the state is created sharded, equal to an unplaced init; then
+        the faithfulness warmup [S21], in parts of WARMUP_PART steps. With `stop`, each part
+        is waited for and then asked whether to stop (once if there is no warmup): None if
+        so, the warmup's work discarded [C5]."""
         st = self.shardings.state
         state = jax.jit(self.dec.init, in_shardings=(self.shardings.target,),
                         out_shardings=st)(self.target)
-        if self.cfg.decomp.faithfulness_warmup_steps > 0:
-            state = jax.jit(self.dec.faithfulness_warmup, donate_argnums=0,
-                            out_shardings=st)(state, self.target)
-        return state
+        n = self.cfg.decomp.faithfulness_warmup_steps
+        # the warmup's AdamW has the main one's structure: placed as opt_components is
+        opt_state = jax.jit(self.dec.warmup_optimizer_state,
+                            out_shardings=st.opt_components)(state) if n else None
+        part = jax.jit(self.dec.faithfulness_warmup_part, donate_argnums=(0, 1),
+                       out_shardings=(st, st.opt_components))
+        done = 0
+        while True:
+            if done < n:
+                count = min(WARMUP_PART, n - done)
+                state, opt_state = part(state, opt_state, self.target, np.int32(count))
+                done += count
+            if stop is not None:
+                # Dispatch is asynchronous: wait, so that a signal while the part computes
+                # is seen here, as during warmup, and not after step 1 [C5].
+                jax.block_until_ready(state)
+                if stop.should_stop(-1):
+                    return None
+            if done == n:
+                return state
 
     def to_host(self, tree):
         """Numpy copy of a (possibly cross-process sharded) tree, in every process."""
@@ -173,17 +197,14 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     window = []  # metrics of the steps since the last log (for their statistics)
     if start is None:  # a fresh run: init, then the faithfulness warmup [S21]
         began = time.perf_counter()
-        start, state = 0, trainer.init_state()
-        # Dispatch is asynchronous: wait for the warmup, so that a signal while it computes
-        # is seen here, as during warmup, and not after step 1 [C5]. Once, before the loop.
-        jax.block_until_ready(state)
-        if cfg.decomp.faithfulness_warmup_steps:
-            logging.info("%sinit and faithfulness warmup (%d steps): %.1f s", dist.tag(),
-                         cfg.decomp.faithfulness_warmup_steps, time.perf_counter() - began)
-        if stop.should_stop(-1):
+        start, state = 0, trainer.init_state(stop)
+        if state is None:
             print(f"stopped ({stop.reason}) during faithfulness warmup; nothing was saved. "
                   "Re-run the same command to start over.")
             return {}
+        if cfg.decomp.faithfulness_warmup_steps:
+            logging.info("%sinit and faithfulness warmup (%d steps): %.1f s", dist.tag(),
+                         cfg.decomp.faithfulness_warmup_steps, time.perf_counter() - began)
     else:  # [C3] resume: no warmup; the window continues on batch start // k [W6]
         restored = trainer.restore(rd.path, start)
         state = resume.restore_state(trainer.dec, trainer.target, restored.arrays)

@@ -100,20 +100,33 @@ class Decomposer:
 
     def faithfulness_warmup(self, state: TrainState, target: Target) -> TrainState:
         """[S21] n AdamW steps on faithfulness alone; that optimizer is discarded."""
+        opt_state = self.warmup_optimizer_state(state)
         n = self.cfg.decomp.faithfulness_warmup_steps
+        return self.faithfulness_warmup_part(state, opt_state, target, n)[0]
+
+    def _warmup_optimizer(self):
+        return adamw(self.cfg.decomp.faithfulness_warmup_weight_decay)
+
+    def warmup_optimizer_state(self, state: TrainState):
+        """The faithfulness warmup's own AdamW state, fresh [S21]."""
+        return self._warmup_optimizer().init(state.components)
+
+    def faithfulness_warmup_part(self, state: TrainState, opt_state, target: Target, count):
+        """`count` (traced: one program for any part) steps of the warmup from `opt_state`;
+        -> (state, opt_state). The loop runs the warmup in parts, so that a stop between two
+        is seen while a long warmup computes [C5]."""
         weights = target.site_weights()
         lr = self.cfg.decomp.faithfulness_warmup_lr
-        opt = adamw(self.cfg.decomp.faithfulness_warmup_weight_decay)
+        opt = self._warmup_optimizer()
 
-        def body(carry, _):
+        def body(_, carry):
             comps, opt_state = carry
             g = comp_lib.tie_grads(jax.grad(comp_lib.faithfulness)(comps, weights), self.ties)
             comps, opt_state = apply_update(comps, g, opt_state, opt, lr)
-            return (comp_lib.tie(comps, self.ties), opt_state), None
+            return comp_lib.tie(comps, self.ties), opt_state
 
-        (comps, _), _ = jax.lax.scan(body, (state.components, opt.init(state.components)),
-                                     None, length=n)
-        return eqx.tree_at(lambda s: s.components, state, comps)
+        comps, opt_state = jax.lax.fori_loop(0, count, body, (state.components, opt_state))
+        return eqx.tree_at(lambda s: s.components, state, comps), opt_state
 
     # ------------------------------------------------------------ pieces
 

@@ -3,7 +3,6 @@ an existing run dir; a run writes config.yaml, metrics.jsonl, summary.json and f
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -399,29 +398,21 @@ def test_a_signal_during_the_imports_exits_with_one_line(tmp_path, name, after):
     assert not run_dir.exists()
 
 
-def test_C5_a_stop_during_the_faithfulness_warmup_saves_nothing(tmp_path):
-    """A real SIGTERM while the warmup computes (dispatched asynchronously, so the loop used
-    to see the signal only after step 1 and save it): exit 0, nothing saved. The signal
-    goes 2 s after the run dir is logged (the warmup's compile and dispatch follow); a
-    machine whose warmup ended by then tries again with 10x the steps."""
+def test_C5_a_stop_during_the_faithfulness_warmup_ends_it_and_saves_nothing(tmp_path):
+    """A real SIGTERM 2 s into a warmup of 3e8 steps (~20 min on 2 cores, one dispatch per
+    1000 steps): the run stops at the next part, long before the warmup would end (whose
+    end is logged), exits 0 and saves nothing. (Once the warmup was one dispatch, and the
+    loop saw the signal only after it: with step 1, which it then saved.)"""
+    run_dir = tmp_path / "r"
+    cmd = [sys.executable, "-m", "ppgd_tpu", "train", f"--run_dir={run_dir}",
+           "--decomp.faithfulness_warmup_steps=300000000", "--decomp.steps=20",
+           "--log.every=10", "--eval.every=0", "--eval.figures=false", "--log.progress=false"]
     env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache")}
-    for steps in (3_000_000, 30_000_000):  # ~12 s, 2 min on 2 cores
-        run_dir = tmp_path / f"r{steps}"
-        cmd = [sys.executable, "-m", "ppgd_tpu", "train", f"--run_dir={run_dir}",
-               f"--decomp.faithfulness_warmup_steps={steps}", "--decomp.steps=20",
-               "--log.every=10", "--eval.every=0", "--eval.figures=false",
-               "--log.progress=false"]
-        rc, out, err = _signal_when(cmd, env, lambda line: "run dir" in line, signal.SIGTERM,
-                                    after_s=2.0)
-        took = [float(m) for m in re.findall(r"faithfulness warmup \(\d+ steps\): ([\d.]+) s",
-                                             "\n".join(err))]
-        assert len(took) == 1, err
-        if took[0] > 3.0:  # it computed when the signal came
-            break
-    else:
-        pytest.fail(f"the warmup of {steps} steps took {took[0]} s: over before the signal")
+    rc, out, err = _signal_when(cmd, env, lambda line: "run dir" in line, signal.SIGTERM,
+                                after_s=2.0)
     assert rc == 0, err
     assert "during faithfulness warmup; nothing was saved" in out, (out, err)
+    assert not any("faithfulness warmup (" in line for line in err), err  # it never ended
     assert not (run_dir / "ckpts").exists() or not os.listdir(run_dir / "ckpts")
     assert not (run_dir / "metrics.jsonl").exists()
 
