@@ -12,6 +12,7 @@ from ppgd_tpu import signals
 def main() -> None:
     try:
         signals.install()  # a signal already pending is handled (raised) right here
+        signals.follow_launcher()
         from ppgd_tpu.cli import main as cli_main
     except BaseException:
         if not signals.seen:

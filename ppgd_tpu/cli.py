@@ -331,15 +331,13 @@ def run(argv: list[str]) -> int:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UsageError(f"unknown command {cmd!r}{hint}\n\n{USAGE}")
     except ConfigError as e:
-        print(f"ppgd-tpu {cmd}: error: {e}", file=sys.stderr)
-        return 2
+        return _refused(cmd, e)
     except ValueError as e:
         from ppgd_tpu.checkpoint import DamagedCheckpoint
         from ppgd_tpu.targets.build import TargetError
 
         if isinstance(e, (TargetError, DamagedCheckpoint)):
-            print(f"ppgd-tpu {cmd}: error: {e}", file=sys.stderr)
-            return 2
+            return _refused(cmd, e)
         raise
 
 
@@ -350,11 +348,28 @@ def _end(code: int, message: str) -> None:
     """Exits with `code` after `message`; in a multi-process job first tells the other
     processes (dist.report_failure), and skips the exit barrier they would never reach."""
     print(message, file=sys.stderr, flush=True)
-    dist = sys.modules.get("ppgd_tpu.dist")  # None: single-process, or JAX failed to import
-    if dist is not None and dist.process_count() > 1:
-        dist.report_failure(message.splitlines()[-1])
+    if _multi_process():  # a traceback's last line says what failed; a refusal is all said
+        refused = code == 2  # ... and ends the others as refused too (else as failed, 1)
+        notice = message if refused else message.splitlines()[-1]
+        sys.modules["ppgd_tpu.dist"].report_failure(notice, 2 if refused else 1)
         os._exit(code)
     sys.exit(code)
+
+
+def _multi_process() -> bool:
+    dist = sys.modules.get("ppgd_tpu.dist")  # None: single-process, or JAX failed to import
+    return dist is not None and dist.process_count() > 1
+
+
+def _refused(cmd: str, e: Exception) -> int:
+    """Exit status 2 for a refused input, said in one line. In a multi-process job the
+    others are told (they end with 2 too): a refusal that one process alone saw would leave
+    them waiting for it in their next collective."""
+    message = f"ppgd-tpu {cmd}: error: {e}"
+    if _multi_process():
+        _end(2, message)
+    print(message, file=sys.stderr)
+    return 2
 
 
 def _interrupted() -> None:
@@ -389,6 +404,7 @@ def _unreachable(e: BaseException | None) -> BaseException | None:
 
 def main() -> None:
     signals.install()  # again: `python -m ppgd_tpu.cli` does not go through __main__
+    signals.follow_launcher()
     try:
         _setup()
         code = run(sys.argv[1:])

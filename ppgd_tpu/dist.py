@@ -244,16 +244,18 @@ _FAILURE_POLL_MS = 500  # a notice ends a wait at once; the polls let shutdown()
 FAILURE_GRACE_S = 2.0  # process 0 stays this long for the others to read a failure notice
 
 
-def report_failure(message: str) -> None:
-    """This process ends with an error: tells the others, whose failure watcher then exits
-    them at once naming it (they would otherwise wait in their next collective for a process
-    that is gone, until a timeout and JAX's abort). The caller exits right after, without
-    shutdown()'s barrier. A no-op single-process, or when another process failed first."""
+def report_failure(message: str, code: int = 1) -> None:
+    """This process ends with an error (exit `code`): tells the others, whose failure watcher
+    then exits them at once naming it, with the same code (they would otherwise wait in
+    their next collective for a process that is gone, until a timeout and JAX's abort). The
+    caller exits right after, without shutdown()'s barrier. A no-op single-process, or when
+    another process failed first."""
     client = _state.client
     if client is None:
         return
+    notice = {"process": _state.index, "message": message, "code": code}
     try:
-        client.key_value_set(_FAILURE_KEY, f"process {_state.index}: {message}")
+        client.key_value_set(_FAILURE_KEY, json.dumps(notice))
     except jax.errors.JaxRuntimeError:
         return
     if is_main():  # it hosts the service the others read the notice from
@@ -261,8 +263,9 @@ def report_failure(message: str) -> None:
 
 
 def _watch_failures(client) -> None:
-    """Background, every process of a multi-process job: exits this process (status 1) as
-    soon as another reports a failure."""
+    """Background, every process of a multi-process job: exits this process as soon as
+    another reports a failure, with that process's status (2 for a refused input, so a
+    refusal that one process saw ends every process as a refusal)."""
     while _state.client is client:
         try:
             notice = client.blocking_key_value_get(_FAILURE_KEY, _FAILURE_POLL_MS)
@@ -270,11 +273,13 @@ def _watch_failures(client) -> None:
             if "DEADLINE_EXCEEDED" not in str(e):  # the service is gone: no spin
                 time.sleep(_FAILURE_POLL_MS / 1000)
             continue
-        if _state.client is client and not notice.startswith(f"process {_state.index}:"):
-            os.write(2, f"{tag()} stopping: {notice}\n".encode())
+        failed = json.loads(notice)
+        if _state.client is client and failed["process"] != _state.index:
+            os.write(2, f"{tag()} stopping: process {failed['process']}: "
+                        f"{failed['message']}\n".encode())
             if is_main():  # the others read the notice from the service it hosts
                 time.sleep(FAILURE_GRACE_S)
-            os._exit(1)
+            os._exit(failed["code"])
         return
 
 

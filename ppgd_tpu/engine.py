@@ -20,6 +20,7 @@ from absl import logging
 from safetensors import numpy as safetensors_numpy
 
 from ppgd_tpu import checkpoint, dist, resume, signals, storage
+from ppgd_tpu import config as config_lib
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
@@ -94,6 +95,11 @@ class Trainer:
         self.batch = self.data.batch
         store = getattr(self.data, "store", None)  # LMs: which tokenize run wrote it
         self.store_id = store.store_id if store is not None else None
+        by_process = dist.gather_from_all(self.store_id)
+        if len(set(by_process)) > 1:  # each host opened its own data.store
+            raise ConfigError("data.store: the processes opened different token stores "
+                              f"(store id by process: {by_process}); give every process "
+                              "the same store")
         self.eval_batch, self.eval_labels = self.data.eval_batch, self.data.eval_labels
         self.dec = Decomposer(cfg, target, self.data.batch_shape)
         spec = jax.ShapeDtypeStruct(self.data.batch_shape, self.eval_batch.dtype)
@@ -158,8 +164,27 @@ class Trainer:
         return out
 
 
+def _check_one_config(cfg: Config) -> None:
+    """Every process must run the same config: one given another (a stale --config file on
+    one host) would train its shards on other rules, silently. Refused in every process,
+    naming the fields (the first few). The target's and the store's paths may differ (a
+    copy on each host): their contents are compared once read (target sha256, store id)."""
+    mine = {path: repr(value) for path, _, value, _ in config_lib.leaves(cfg)
+            if path not in ("target.path", "data.store")}
+    every = dist.gather_from_all(mine)
+    for index, other in enumerate(every[1:], 1):
+        differ = [f"  {p}: {every[0].get(p)} in process 0, {other.get(p)} in process {index}"
+                  for p in sorted(set(every[0]) | set(other)) if every[0].get(p) != other.get(p)]
+        if differ:
+            raise ConfigError(
+                "the processes of this job were given different configs; every process "
+                "must get the same --config and flags:\n" + "\n".join(differ[:10])
+                + (f"\n  ... {len(differ)} fields in all" if len(differ) > 10 else ""))
+
+
 def train(cfg: Config, run_dir: str) -> dict:
     """Runs, resumes, or reports already complete the decomposition of `cfg` in `run_dir`."""
+    _check_one_config(cfg)
     with RunDir(run_dir) as rd:  # its lock (local dirs) is held until the run returns
         # Decided once, by the main process for all: each one asking itself could see the
         # config.yaml that process 0 writes in create() and skip create()'s collective.

@@ -9,10 +9,13 @@ stop-signal consensus [C5], per-process checkpoint writes) runs on one machine.
 
 Output is streamed line by line with a `[pN]` prefix. Fail-fast: the first child that
 exits non-zero gets the others killed, is named with its exit code, and its code is ours
-(a child killed by signal S counts as 128+S). SIGTERM/SIGINT sent to the launcher is
-forwarded once to every child; the children agree on a stop step, save, and exit 0.
-Children run in their own process groups so a terminal's Ctrl-C reaches them only through
-this forwarding (exactly once). JAX_PLATFORMS defaults to cpu for the children.
+(a child killed by signal S counts as 128+S). The first SIGTERM/SIGINT sent to the launcher
+is forwarded to every child (SIGHUP, a closed terminal, as SIGTERM); the children agree on a
+stop step, save, and exit 0; later signals are only noted, so pressing Ctrl-C again cannot
+turn that clean stop into a failure. Children run in their own process groups so a
+terminal's Ctrl-C reaches them only through this forwarding, and (children of `python -m
+MODULE`, on Linux) get a SIGTERM if the launcher itself dies (signals.follow_launcher).
+JAX_PLATFORMS defaults to cpu for the children.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import sys
 import threading
 from typing import IO
 
-from ppgd_tpu import dist
+from ppgd_tpu import dist, signals
 
 
 def free_port() -> int:
@@ -120,19 +123,30 @@ def main(argv: list[str]) -> int:
     pumps: list[threading.Thread] = []
     exits: queue.Queue[tuple[int, int]] = queue.Queue()  # (index, returncode) in exit order
 
+    forwarded: list[str] = []
+
     def forward(signum: int, frame: object) -> None:
-        _say(f"got {signal.Signals(signum).name}; forwarding to the children")
+        name = signal.Signals(signum).name
+        if forwarded:
+            _say(f"got {name}; {forwarded[0]} was forwarded already: the children are "
+                 "stopping (SIGKILL this launcher to kill them)")
+            return
+        forwarded.append(name)
+        as_ = signal.SIGTERM if signum == signal.SIGHUP else signum
+        _say(f"got {name}; forwarding {signal.Signals(as_).name} to the children")
         for c in children:
             if c.poll() is None:
-                c.send_signal(signum)
+                c.send_signal(as_)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, forward)
+                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         for i in range(args.processes):
-            c = subprocess.Popen(
-                cmd, env=child_env(i, args.processes, args.devices_per_process, port),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0,
-            )
+            env = child_env(i, args.processes, args.devices_per_process, port)
+            if not args.exec_argv:  # (a program given as-is may not be ours: its parent
+                env[signals.LAUNCHER_PID] = str(os.getpid())  # check would then fail)
+            c = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, process_group=0)
             children.append(c)
             t = threading.Thread(target=_pump, args=(i, c.stdout, out_lock), daemon=True)
             t.start()
@@ -160,7 +174,9 @@ def _wait(children: list[subprocess.Popen], exits: queue.Queue[tuple[int, int]])
             except queue.Empty:
                 continue
         if rc != 0:
-            _say(f"process p{index} exited with code {rc}; killing the others")
+            how = (f"was killed by signal {-rc} ({_exit_code(rc)})" if rc < 0
+                   else f"exited with code {rc}")
+            _say(f"process p{index} {how}; killing the others")
             for c in children:
                 _kill(c)
             return _exit_code(rc)

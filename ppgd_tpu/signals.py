@@ -15,10 +15,14 @@ Stdlib only: the handler is installed before anything heavy is imported.
 from __future__ import annotations
 
 import _thread
+import os
 import signal
 import sys
 import threading
 import time
+
+# Set by `ppgd-tpu launch-local` for its children: the launcher's pid (follow_launcher).
+LAUNCHER_PID = "PPGD_LAUNCHER_PID"
 
 seen: list[str] = []  # names of the signals the handler took, in order
 _deferred: set[int] = set()  # signals waiting for the main thread to leave an import
@@ -71,6 +75,22 @@ def install() -> None:
     if sys.unraisablehook is not _quiet:
         _quiet.previous = sys.unraisablehook
         sys.unraisablehook = _quiet
+
+
+def follow_launcher() -> None:
+    """In a child of `ppgd-tpu launch-local`: SIGTERM when the launcher dies (SIGKILLed, or
+    its terminal closed), so the child saves and stops [C5] instead of running on, orphaned,
+    until a collective times out. Linux (prctl PR_SET_PDEATHSIG); elsewhere nothing. The
+    variable is taken out of the environment: this process's own children have another
+    parent."""
+    pid = os.environ.pop(LAUNCHER_PID, None)
+    if pid is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != int(pid):  # it died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _quiet(unraisable) -> None:

@@ -182,6 +182,47 @@ def test_a_process_that_ends_early_takes_the_others_with_it_naming_why(tmp_path)
             and "Traceback" not in procs[0].output()), procs[0].output()[-3000:]
 
 
+def _two_processes(tmp_path, extra):
+    """Runs `train` in 2 processes (no launcher: as on a pod's hosts), process i with the
+    flags extra[i]; returns (exit codes, outputs)."""
+    port = free_port()
+    cache = {"PPGD_TPU_CACHE": str(tmp_path / "cache")}
+    procs = [Proc(["-m", "ppgd_tpu.cli", "train", f"--run_dir={tmp_path / 'run'}",
+                   "--log.progress=false", "--decomp.steps=20", *extra[i]],
+                  {**child_env(i, 2, 1, port), **cache}) for i in range(2)]
+    try:
+        codes = [p.finish() for p in procs]
+    finally:
+        for p in procs:
+            if p.p.poll() is None:
+                p.p.kill()
+                p.p.wait()
+    return codes, [p.output() for p in procs]
+
+
+def test_a_refusal_one_process_alone_sees_ends_every_process_as_a_refusal(tmp_path):
+    """Process 1's --target.path names no file (each host reads its own path): it is
+    refused, and process 0, which would wait for it in a collective (300 s, then JAX's
+    abort), exits 2 at once naming process 1's reason."""
+    codes, outs = _two_processes(tmp_path, [[], [f"--target.path={tmp_path / 'nope'}"]])
+    assert codes == [2, 2], outs
+    why = f"ppgd-tpu train: error: target.path: no such file '{tmp_path / 'nope'}'"
+    assert why in outs[1], outs[1][-3000:]
+    assert f"[p0/2] stopping: process 1: {why}" in outs[0], outs[0][-3000:]
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_processes_given_different_configs_are_refused_naming_the_fields(tmp_path):
+    """A stale --config on one host: the job would train each host's shards on its own
+    rules and record process 0's config, silently."""
+    codes, outs = _two_processes(tmp_path, [[], ["--decomp.lr_components.value=0.01"]])
+    assert codes == [2, 2], outs
+    for out in outs:
+        assert "the processes of this job were given different configs" in out, out[-3000:]
+        assert "decomp.lr_components.value: 0.001 in process 0, 0.01 in process 1" in out
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
 def test_unreachable_coordinator_is_a_clear_error_not_a_hang():
     port = free_port()  # nothing listens here
     code = ("from ppgd_tpu import dist\n"

@@ -1,15 +1,17 @@
 """The local N-process launcher (`ppgd-tpu launch-local`, launch/local.sh) with real children."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from ppgd_tpu import launch_local
+from ppgd_tpu import checkpoint, launch_local
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60
@@ -88,9 +90,12 @@ def test_C5_signals_to_the_launcher_reach_all_children_which_stop_at_one_step():
         wait_for_both("RUNNING")
         p.send_signal(signal.SIGTERM)  # forwarded to both children: stop
         wait_for_both("SAVING")
-        p.send_signal(signal.SIGINT)  # forwarded mid-save: noted, not fatal
+        p.send_signal(signal.SIGINT)  # a second Ctrl-C to the launcher: not forwarded ...
+        for child in _children_of(p.pid):  # ... and one straight to a child mid-save: noted
+            os.kill(child, signal.SIGINT)
         lines.extend(p.stdout)
         assert p.wait(timeout=TIMEOUT_S) == 0, "".join(lines)
+        assert "SIGTERM was forwarded already" in "".join(lines)
     finally:
         if p.poll() is None:
             p.kill()
@@ -100,6 +105,53 @@ def test_C5_signals_to_the_launcher_reach_all_children_which_stop_at_one_step():
     assert results[0]["stop_step"] == results[1]["stop_step"] >= 5
     assert results[0]["checksum"] == results[1]["checksum"]
     assert all(r["signals"] == ["SIGTERM", "SIGINT"] for r in results)
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
+def test_C5_children_of_a_launcher_that_dies_stop_and_save(tmp_path):
+    """SIGKILL to the launcher (or its terminal gone): its children are told with SIGTERM,
+    agree on a step, save it and exit, instead of running on orphaned until a collective
+    times out (the run dir's lock released, so a second command could start beside them)."""
+    run = tmp_path / "run"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2", "--", "train",
+         f"--run_dir={run}", "--decomp.steps=200000", "--log.every=50", "--eval.every=0",
+         "--log.progress=false", "--checkpoint.every=0"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    children = []
+    try:
+        deadline = time.monotonic() + 4 * TIMEOUT_S
+        while not (run / "metrics.jsonl").exists():  # both are in the loop
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.2)
+        children = _children_of(p.pid)
+        assert len(children) == 2
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + TIMEOUT_S
+        while any(Path(f"/proc/{c}").exists() for c in children):
+            assert time.monotonic() < deadline, "the children ran on"
+            time.sleep(0.2)
+    finally:
+        for c in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c, signal.SIGKILL)
+    step = checkpoint.latest_step(str(run))  # the stop's save: periodic ones are off
+    assert step is not None and 0 < step < 200000 and not (run / "summary.json").exists()
 
 
 @pytest.mark.parametrize("argv, message", [
