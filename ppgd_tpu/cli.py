@@ -268,8 +268,11 @@ def cmd_shardings(args: list[str]) -> int:
         batch = jax.ShapeDtypeStruct(engine.batch_shape(cfg, target), engine.batch_dtype(target))
         named, _ = mesh_lib.run_templates(dec, target, batch)
         placement = mesh_lib.Placement(cfg, mesh, len(dec.leading))
-        for group in named.values():
-            rows.extend(placement.rows(group))
+        mode = cfg.data.replay_ci_update  # the window's leaves exist in these modes only
+        held = {"env": mode != "every", "acc": mode == "mean"}
+        for group, leaves in named.items():
+            if held.get(group, True):
+                rows.extend(placement.rows(leaves))
 
     jax.eval_shape(trace)
     print(f"mesh {dict(mesh.shape)} over {n_dev} devices, {extra['processes']} process(es)")

@@ -69,7 +69,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--module", default="ppgd_tpu.cli", help="child runs `python -m MODULE ARGS`")
     p.add_argument("--exec", action="store_true", dest="exec_argv",
                    help="run the argv after -- as-is instead of `python -m MODULE`")
-    args = p.parse_args(own)
+    args, stray = p.parse_known_args(own)
+    if stray:
+        p.error(f"unrecognized arguments: {' '.join(stray)} (the command goes after `--`: "
+                "ppgd-tpu launch-local --processes N -- train ...)")
     if args.processes < 1:
         p.error(f"--processes={args.processes}: expected >= 1")
     if args.devices_per_process < 1:

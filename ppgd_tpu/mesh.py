@@ -161,7 +161,8 @@ def check_batches(cfg: Config, mesh) -> None:
         if b % n:
             raise MeshError(
                 f"{field}: {b} rows do not divide over the {n} batch shards of the mesh "
-                f"{dict(mesh.shape)} (data x fsdp); use a multiple of {n} or another mesh.*")
+                f"{dict(mesh.shape)} (data x fsdp); use a multiple of {n}, or other "
+                f"mesh.data / mesh.fsdp sizes")
 
 
 # ---------------------------------------------------------------- logical axes of a leaf

@@ -608,3 +608,15 @@ def test_a_run_dir_under_tilde_is_under_home(monkeypatch, tmp_path):
     """`--run_dir=~/x` reaches no shell expansion (it follows `=`): expanded here."""
     monkeypatch.setenv("HOME", str(tmp_path))
     assert storage.normalize("~/runs/x") == str(tmp_path / "runs" / "x")
+
+
+@pytest.mark.parametrize("mode,groups", [
+    ("every", set()), ("first", {"envelope"}), ("mean", {"envelope", "accumulator"})])
+def test_shardings_lists_the_replay_window_leaves_a_mode_holds(capsys, mode, groups):
+    k = "1" if mode == "every" else "2"
+    assert cli.run(["shardings", f"--data.train_batch_replay={k}",
+                    f"--data.replay_ci_update={mode}", "--decomp.ci_fn.kind=per_site_mlp",
+                    "--decomp.ci_fn.detach_inputs=true"]) == 0
+    listed = {line.split("/")[2] for line in capsys.readouterr().out.splitlines()
+              if line.startswith("training/replay/")}
+    assert listed == groups

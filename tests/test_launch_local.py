@@ -160,6 +160,8 @@ def test_C5_children_of_a_launcher_that_dies_stop_and_save(tmp_path):
     (["--processes", "2", "--port", "70000"], "--port=70000"),
     (["--processes", "2", "--exec"], "no command after --"),
     (["--processes", "2"], "no command after --"),  # ran 2 children that printed the usage
+    (["--processes", "2", "train", "--config", "x.yaml"],
+     "unrecognized arguments: train --config x.yaml (the command goes after `--`"),
     (["--processes", "1", "--exec", "--", "/nonexistent/x"],  # a FileNotFoundError traceback
      "--exec: '/nonexistent/x' is not an executable file or on PATH"),
 ])

@@ -295,7 +295,7 @@ def test_the_placement_check_catches_a_wrong_placement():
         "sc sources split by rows": with_row("training/adversaries/shared/m/layers.0.mlp_in",
                                              (ROWS, NO), (1, 17)),
         "a per-device shape that is not global / shards": with_row(
-            "training/replay/envelope/upper/layers.0.mlp_in", local=(8, 16)),
+            "training/adversaries/rows/sources/layers.0.mlp_in", local=(8, 17)),
         "a target weight replicated": with_row("target/W_E", (NO, NO), (20, 128)),
     }
     for what, table in wrong.items():
