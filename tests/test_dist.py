@@ -154,43 +154,16 @@ def test_a_signal_after_the_work_is_done_is_noted_and_a_second_one_raises(start)
     assert p.result() == {"second_raised": True, "seen": ["SIGTERM", "SIGTERM"]}
 
 
-def test_a_process_that_ends_early_takes_the_others_with_it_naming_why(tmp_path):
-    """SIGTERM to process 1 alone while the run is still building its target (before the
-    loop, which would save and stop cleanly): it exits 143 saying so, and process 0, which
-    would wait in its next collective for a process that is gone (300 s, then JAX's abort),
-    exits at once naming process 1's reason. No launcher: each host of a pod is alone."""
+def _two_processes(tmp_path, extra, meanwhile=lambda procs: None):
+    """Runs `train` in 2 processes (no launcher: as on a pod's hosts), process i with the
+    flags extra[i], calling `meanwhile(procs)` once they started; -> (exit codes, outputs)."""
     port = free_port()
     cache = {"PPGD_TPU_CACHE": str(tmp_path / "cache")}  # the toy target is trained: seconds
-    args = ["-m", "ppgd_tpu.cli", "train", f"--run_dir={tmp_path / 'run'}", "--log.progress=false"]
-    procs = [Proc(args, {**child_env(i, 2, 1, port), **cache}) for i in range(2)]
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not any("mesh {" in line for line in procs[1].lines):
-            assert time.monotonic() < deadline and procs[1].p.poll() is None, procs[1].output()
-            time.sleep(0.05)
-        procs[1].p.send_signal(signal.SIGTERM)
-        codes = [p.finish() for p in procs]
-    finally:
-        for p in procs:
-            if p.p.poll() is None:
-                p.p.kill()
-                p.p.wait()
-    assert codes == [1, 143], [p.output()[-3000:] for p in procs]
-    assert "ppgd-tpu: terminated (SIGTERM); nothing partial is read as complete" in \
-        procs[1].output()
-    assert ("[p0/2] stopping: process 1: ppgd-tpu: terminated (SIGTERM)" in procs[0].output()
-            and "Traceback" not in procs[0].output()), procs[0].output()[-3000:]
-
-
-def _two_processes(tmp_path, extra):
-    """Runs `train` in 2 processes (no launcher: as on a pod's hosts), process i with the
-    flags extra[i]; returns (exit codes, outputs)."""
-    port = free_port()
-    cache = {"PPGD_TPU_CACHE": str(tmp_path / "cache")}
     procs = [Proc(["-m", "ppgd_tpu.cli", "train", f"--run_dir={tmp_path / 'run'}",
                    "--log.progress=false", "--decomp.steps=20", *extra[i]],
                   {**child_env(i, 2, 1, port), **cache}) for i in range(2)]
     try:
+        meanwhile(procs)
         codes = [p.finish() for p in procs]
     finally:
         for p in procs:
@@ -198,6 +171,25 @@ def _two_processes(tmp_path, extra):
                 p.p.kill()
                 p.p.wait()
     return codes, [p.output() for p in procs]
+
+
+def test_a_process_that_ends_early_takes_the_others_with_it_naming_why(tmp_path):
+    """SIGTERM to process 1 alone while the run is still building its target (before the
+    loop, which would save and stop cleanly): it exits 143 saying so, and process 0, which
+    would wait in its next collective for a process that is gone (300 s, then JAX's abort),
+    exits at once naming process 1's reason. No launcher: each host of a pod is alone."""
+    def terminate_p1_before_the_loop(procs):
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any("mesh {" in line for line in procs[1].lines):
+            assert time.monotonic() < deadline and procs[1].p.poll() is None, procs[1].output()
+            time.sleep(0.05)
+        procs[1].p.send_signal(signal.SIGTERM)
+
+    codes, outs = _two_processes(tmp_path, [[], []], terminate_p1_before_the_loop)
+    assert codes == [1, 143], [out[-3000:] for out in outs]
+    assert "ppgd-tpu: terminated (SIGTERM); nothing partial is read as complete" in outs[1]
+    assert ("[p0/2] stopping: process 1: ppgd-tpu: terminated (SIGTERM)" in outs[0]
+            and "Traceback" not in outs[0]), outs[0][-3000:]
 
 
 def test_a_refusal_one_process_alone_sees_ends_every_process_as_a_refusal(tmp_path):
