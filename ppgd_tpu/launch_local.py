@@ -146,8 +146,10 @@ def main(argv: list[str]) -> int:
     try:
         for i in range(args.processes):
             env = child_env(i, args.processes, args.devices_per_process, port)
-            if not args.exec_argv:  # (a program given as-is may not be ours: its parent
-                env[signals.LAUNCHER_PID] = str(os.getpid())  # check would then fail)
+            # A program given as-is (--exec) may start ours as a grandchild, whose parent
+            # is then not this launcher: only `python -m MODULE` children follow it.
+            if not args.exec_argv:
+                env[signals.LAUNCHER_PID] = str(os.getpid())
             c = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, process_group=0)
             children.append(c)
