@@ -8,6 +8,7 @@ the device between log steps.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -115,6 +116,18 @@ def records(path: str, data: bytes) -> list[tuple[str, dict]]:
     return out
 
 
+def json_values(values: dict) -> dict:
+    """nan / inf as null: JSON has no such numbers (Python writes bare `NaN` tokens, which
+    jq and strict parsers refuse); a diverged run names the values when it stops."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in values.items()}
+
+
+def json_line(values: dict) -> str:
+    """One metrics.jsonl record, strict JSON."""
+    return json.dumps(json_values(values), allow_nan=False) + "\n"
+
+
 class MetricsWriter:
     """RUN_DIR/metrics.jsonl, plus TensorBoard events for a local run dir.
 
@@ -164,7 +177,7 @@ class MetricsWriter:
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
-        line = json.dumps({"step": int(step), **values}) + "\n"
+        line = json_line({"step": int(step), **values})
         if self.remote:
             self.lines.append(line)
             if time.monotonic() - self.flushed_at > self.flush_s:

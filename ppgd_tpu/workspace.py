@@ -362,4 +362,5 @@ class RunDir:
 
     def write_summary(self, summary: dict) -> None:
         storage.write_bytes(self.file(SUMMARY),
-                            json.dumps(summary, indent=1, sort_keys=True).encode())
+                            json.dumps(metrics_lib.json_values(summary), indent=1,
+                                       sort_keys=True, allow_nan=False).encode())

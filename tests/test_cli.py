@@ -322,15 +322,18 @@ def test_a_diverged_run_stops_with_status_1_at_the_step_it_saw_it(tmp_path, caps
                                                                      needle):
     """An lr that blows the components up: the first log (or eval) step that sees a
     non-finite value stops the run with status 1 naming the step and the values; what was
-    written stays (metrics.jsonl with that line), nothing is marked complete."""
+    written stays (metrics.jsonl with that line, strict JSON: the non-finite values as null),
+    nothing is marked complete."""
     run_dir = tmp_path / "nan"
     rc, _, err = _run(["train", f"--run_dir={run_dir}", *TINY, *cadence, "--decomp.steps=40",
                        "--decomp.lr_components.value=1e30", "--eval.figures=false"], capsys)
     assert rc == 1
     assert needle in err and "diverged" in err
     metrics = run_dir / "metrics.jsonl"
-    rows = [json.loads(ln) for ln in open(metrics)] if metrics.exists() else []
+    rows = [json.loads(ln, parse_constant=pytest.fail) for ln in open(metrics)
+            ] if metrics.exists() else []
     assert [r["step"] for r in rows] == ([10] if "train" in needle else [])
+    assert all(r["train/loss/faithfulness"] is None for r in rows)
     assert not (run_dir / "summary.json").exists()
     assert not (run_dir / "ckpts").exists() or not os.listdir(run_dir / "ckpts")
 

@@ -191,7 +191,7 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
     try:
         with open(partial, "w") as log:
             def write(values):
-                lines.append(json.dumps(values) + "\n")
+                lines.append(metrics_lib.json_line(values))
                 log.write(lines[-1])
                 log.flush()
 
