@@ -201,12 +201,13 @@ def cmd_train(args: list[str]) -> int:
                                                       "runs/<name>-<timestamp>)")})
     dist.initialize()  # before any JAX computation; single-process unless PPGD_* / TPU say so
     from ppgd_tpu import engine
+    from ppgd_tpu.metrics import Diverged
     from ppgd_tpu.workspace import default_run_dir
 
     run_dir = dist.broadcast_from_main(extra["run_dir"] or default_run_dir(cfg))
     try:
         engine.train(cfg, run_dir)
-    except engine.Diverged as e:
+    except Diverged as e:
         print(f"ppgd-tpu train: error: {run_dir}: {e}", file=sys.stderr)
         return 1
     return 0
@@ -216,10 +217,21 @@ def cmd_pretrain(args: list[str]) -> int:
     from ppgd_tpu.targets import build
 
     base = config_lib.load(_split_value(args, "config"))
-    if (_split_value(args, "target.kind") or base.target.kind) == "llama_simple_mlp":
+    kind = _split_value(args, "target.kind") or base.target.kind
+    if kind == "llama_simple_mlp":
         from ppgd_tpu.targets import lm_pretrain
 
-        return lm_pretrain.main(args)  # an LM trains on a token store (--store)
+        from ppgd_tpu.metrics import Diverged
+
+        try:
+            return lm_pretrain.main(args)  # an LM trains on a token store (--store)
+        except Diverged as e:
+            print(f"ppgd-tpu pretrain: error: {e}", file=sys.stderr)
+            return 1
+    if _split_value(args, "store") is not None:
+        raise UsageError(f"--store: only an LM target trains on a token store; this config's "
+                         f"target is {kind!r}, which trains without one. Give an "
+                         "LM config, e.g. --config configs/lm_demo_2L.yaml")
 
     cfg, extra = parse_config_args(args, {"output": TARGET_OUTPUT})
     out = target_output(cfg, extra["output"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import os
 import time
 import warnings
@@ -36,19 +35,13 @@ from ppgd_tpu.workspace import DECOMPOSITION, FIGURES, RunDir
 MAX_IN_FLIGHT = 8  # multi-process CPU: steps dispatched ahead of the last finished one
 
 
-class Diverged(RuntimeError):
-    """A loss or eval value went non-finite: every later step would be too, so the run stops
-    there, its last committed checkpoint and metrics.jsonl (the bad line included) kept."""
+DIVERGED = ("the decomposition diverged. Runs are deterministic, so resuming would repeat it: "
+            "start a new --run_dir with a lower decomp.lr_components / decomp.lr_ci_fn or "
+            "smaller loss coefficients.")
 
 
 def check_finite(step: int, values: dict, prefixes: tuple[str, ...]) -> None:
-    bad = {k: v for k, v in values.items() if k.startswith(prefixes) and not math.isfinite(v)}
-    if bad:
-        raise Diverged(
-            f"step {step}: {', '.join(f'{k} = {v}' for k, v in sorted(bad.items()))}; the "
-            "decomposition diverged. Runs are deterministic, so resuming would repeat it: start "
-            "a new --run_dir with a lower decomp.lr_components / decomp.lr_ci_fn or smaller "
-            "loss coefficients.")
+    metrics_lib.check_finite(step, values, prefixes, DIVERGED)
 
 
 def batch_shape(cfg: Config, target) -> tuple[int, ...]:
@@ -291,7 +284,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                 print(f"stopped at step {done} ({stop.reason}); checkpoint committed in "
                       f"{rd.path}/ckpts/{done}. Resume with the same command.")
                 return {}
-    except Diverged:  # the metrics so far (the bad line included) stay
+    except metrics_lib.Diverged:  # the metrics so far (the bad line included) stay
         progress.close()
         writer.close()
         raise

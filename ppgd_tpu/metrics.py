@@ -116,6 +116,18 @@ def records(path: str, data: bytes) -> list[tuple[str, dict]]:
     return out
 
 
+class Diverged(RuntimeError):
+    """A logged loss or eval value went non-finite: every later step would be too, so the
+    run stops there, what it wrote so far (the bad line included) kept."""
+
+
+def check_finite(step: int, values: dict, prefixes: tuple[str, ...], remedy: str) -> None:
+    bad = {k: v for k, v in values.items() if k.startswith(prefixes) and not math.isfinite(v)}
+    if bad:
+        raise Diverged(f"step {step}: {', '.join(f'{k} = {v}' for k, v in sorted(bad.items()))}"
+                       f"; {remedy}")
+
+
 def json_values(values: dict) -> dict:
     """nan / inf as null: JSON has no such numbers (Python writes bare `NaN` tokens, which
     jq and strict parsers refuse); a diverged run names the values when it stops."""

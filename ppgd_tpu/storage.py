@@ -87,6 +87,9 @@ def check_creatable(path: str, *, directory: bool) -> None:
     written: a file where a directory must be or the reverse, a file on its way, or no write
     permission where it would go. Called before compute, so a bad path costs nothing. Of a
     gs:// path only the bucket is checked; a missing permission shows at the first write."""
+    if not directory and os.fspath(path).endswith("/"):  # normalize would drop the slash
+        raise ValueError(f"{path} ends with '/', so it names a directory; give a file path "
+                         f"(e.g. {os.fspath(path)}<name>.safetensors)")
     path = normalize(path)
     if is_gcs(path):
         fs, p = _fs_and_path(path)

@@ -567,10 +567,14 @@ def test_unwritable_paths_are_refused_before_any_compute(tmp_path, capsys, monke
             (["train", f"--run_dir={afile / 'r'}"], f"--run_dir: {afile} is a file, so"),
             (["pretrain", f"--output={afile / 't.safetensors'}"], f"--output: {afile} is a file"),
             (["pretrain", f"--output={tmp_path}"], f"--output: {tmp_path} exists and is not a file"),
+            (["pretrain", f"--output={tmp_path / 'new'}/"], f"--output: {tmp_path / 'new'}/ ends "
+             "with '/', so it names a directory"),
+            (["pretrain", "--store=s"], "--store: only an LM target trains on a token store"),
             (["train", f"--config={tmp_path}"], f"--config: cannot read '{tmp_path}'")]:
         rc, _, err = _run([*argv, "--target.seed=7", *TINY], capsys)
         assert rc == 2 and needle in err, (argv, err)
     assert afile.read_text() == "keep" and not cache.exists()
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
 
 
 def test_a_target_that_fails_validation_is_refused(tmp_path, capsys):

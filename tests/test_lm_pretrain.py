@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ppgd_tpu.cli import UsageError
 from ppgd_tpu.config import ConfigError, from_dict, load
 from ppgd_tpu.data import tokenize
 from ppgd_tpu.data.schedule import train_eval_schedules
@@ -73,6 +74,11 @@ def test_pretrain_refuses_what_the_lm_cannot_read(store, tmp_path):
                           "--output", out])
     with pytest.raises(ConfigError, match="--store: no token store"):
         lm_pretrain.main([*TINY, "--store", str(tmp_path / "nope"), "--output", out])
+    os.makedirs(lm_pretrain.metrics_path(out))  # its log goes beside it: checked up front
+    with pytest.raises(UsageError, match="--output: .*lm.safetensors needs .*lm.metrics.jsonl "
+                                         "beside it, but .* exists and is not a file"):
+        lm_pretrain.main([*TINY, "--store", store, "--output", out])
+    os.rmdir(lm_pretrain.metrics_path(out))
     with pytest.raises(ConfigError, match="target.kind"):
         lm_pretrain.pretrain_lm(from_dict(type(load(None).target), {"kind": "tms"}), store, out)
     assert not os.path.exists(out)
@@ -85,3 +91,33 @@ def test_the_shipped_pretrain_config_parses():
     assert cfg.target.kind == "llama_simple_mlp"
     names = list(build.site_shapes(cfg.target))
     assert len(names) == 12 and names[-1] == "h.1.mlp.down_proj"
+
+
+@pytest.mark.parametrize("checkpoint_every,needle", [
+    (0, "step 10: train/loss = nan"),  # the first log step after it
+    (3, "step 6: the weights have non-finite values"),  # a save: the update came after the loss
+])
+def test_a_diverged_pretraining_stops_with_status_1_and_saves_no_nan(store, tmp_path, capsys,
+                                                                     checkpoint_every, needle):
+    """A far too large lr: the first log step with a non-finite loss, or the first save of
+    non-finite weights, ends the run (exit 1, the step named, the way out said); no weights
+    are written and no resume state with nan in it (the same command would resume it)."""
+    from safetensors import numpy as safetensors_numpy
+
+    from ppgd_tpu import cli
+
+    out = str(tmp_path / "lm.safetensors")
+    rc = cli.run(["pretrain", *TINY, "--store", store, "--output", out,
+                  "--target.llama_simple_mlp.pretrain.lr=1e4",
+                  "--target.llama_simple_mlp.pretrain.grad_clip=0",
+                  f"--target.llama_simple_mlp.pretrain.checkpoint_every={checkpoint_every}"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert f"ppgd-tpu pretrain: error: {needle}" in err, err
+    assert f"delete {lm_pretrain.resume_path(out)} if it exists" in err
+    assert not os.path.exists(out)
+    state = lm_pretrain.resume_path(out)
+    assert os.path.exists(state) == bool(checkpoint_every)  # step 3's, from before it
+    if checkpoint_every:
+        tensors = safetensors_numpy.load(open(state, "rb").read())
+        assert all(np.isfinite(t).all() for t in tensors.values())

@@ -174,6 +174,8 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
         return eqx.apply_updates(target, updates), opt_state, loss, optax.tree.norm(grads)
 
     eval_loss = eqx.filter_jit(next_token_loss)
+    all_finite = eqx.filter_jit(lambda t: jnp.all(jnp.stack(
+        [jnp.isfinite(x).all() for x in jax.tree.leaves(eqx.filter(t, eqx.is_array))])))
 
     def evaluate(target):
         return float(np.mean([eval_loss(target, rows) for rows in eval_rows]))
@@ -195,7 +197,19 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
                 log.write(lines[-1])
                 log.flush()
 
+            diverged = (f"the pretraining diverged. It is deterministic, so re-running "
+                        f"would repeat it: delete {state_path} if it exists (the last "
+                        "checkpoint of this config), and lower target.llama_simple_mlp."
+                        "pretrain.lr or set its grad_clip > 0")
+
+            def check(values):
+                metrics_lib.check_finite(values["step"], values, ("train/loss", "eval/loss"),
+                                         diverged)
+
             def save(done):
+                if not all_finite(target):  # a finite loss came before this step's update
+                    raise metrics_lib.Diverged(f"step {done}: the weights have non-finite "
+                                               f"values; {diverged}")
                 _save_state(state_path, done, target, opt_state, "".join(lines), cfg,
                             store.store_id)
 
@@ -214,12 +228,14 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
                                    "train/grad_norm": float(gnorm),
                                    "train/epoch": train.epoch(s)}
                         write(summary)
+                        check(summary)
                         bar.update(pc.log_every if done % pc.log_every == 0
                                    else done % pc.log_every, summary["train/loss"])
                         logging.info("pretrain step %d: loss %.4f", done, summary["train/loss"])
                     if done % pc.eval_every == 0 or done == pc.steps:
                         ev = {"step": done, "eval/loss": evaluate(target)}
                         write(ev)
+                        check(ev)
                         summary.update(ev)
                         logging.info("pretrain step %d: eval loss %.4f", done, ev["eval/loss"])
                     if pc.checkpoint_every and done % pc.checkpoint_every == 0 \
@@ -261,6 +277,11 @@ def main(argv: list[str]) -> int:
         raise UsageError("--store: required for an LM target (a token store made by "
                          "`ppgd-tpu tokenize`)")
     out = target_output(cfg, extra["output"])
+    for side in (metrics_path(out), resume_path(out)):  # written next to it, checked alike
+        try:
+            storage.check_creatable(side, directory=False)
+        except ValueError as e:
+            raise UsageError(f"--output: {out} needs {side} beside it, but {e}") from None
     summary = pretrain_lm(cfg.target, extra["store"], out, progress=cfg.log.progress)
     print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
     print(f"saved the {cfg.target.kind} target to {out} (metrics: {metrics_path(out)}); use it "
