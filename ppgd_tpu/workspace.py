@@ -330,8 +330,9 @@ class RunDir:
             raise ConfigError(
                 f"data.store: the token store at {cfg.data.store} is not the one {self.path} was "
                 f"started with (store id {store_id[:12]}... now, {started[0][:12]}... then, at "
-                f"{started[1]}): it was written again since, so the batches would differ from "
-                "the uninterrupted run's; restore that store, or use a new --run_dir")
+                f"{started[1]}): its rows differ (written again since, from another corpus or with "
+                "other settings), so the batches would differ from the uninterrupted run's; "
+                "restore that store, or use a new --run_dir")
 
     def _check_target(self, cfg: Config, target_sha256: str) -> None:
         started = self._started_with(TARGET, ("sha256", "path"), "the target's weights")

@@ -284,11 +284,12 @@ def test_a_store_from_another_tokenizer_than_the_lms_pretraining_is_refused(
     build.check_tokenizer(lm_setup["target"], bpe_id, store)  # saved with no data record
 
 
-def test_a_resume_refuses_a_store_written_again_since_the_run_started(lm_setup, tmp_path,
-                                                                     capsys):
-    """[C3] batch j is rows of the store: a store tokenized again at the same path (even
-    from the same corpus: another tokenize run) is refused on resume, exit 2, naming
-    data.store; the run's own store, copied to another path, resumes."""
+def test_a_resume_refuses_a_store_whose_rows_changed_since_the_run_started(lm_setup, tmp_path,
+                                                                           capsys):
+    """[C3] batch j is rows of the store: a store tokenized again at the same path from
+    another corpus is refused on resume, exit 2, naming data.store. The same rows resume:
+    the same tokenize command run again (a pipeline re-run after a preemption) keeps the
+    store's id, and so does a copy at another path."""
     corpus = _corpus(tmp_path)
     store = tmp_path / "store"
     tokenize = ["tokenize", "--input", corpus, "--output", str(store), "--seq_len", "17"]
@@ -297,16 +298,28 @@ def test_a_resume_refuses_a_store_written_again_since_the_run_started(lm_setup, 
     args = ["train", f"--config={lm_setup['config']}", f"--target.path={lm_setup['target']}",
             f"--run_dir={run}", "--decomp.steps=4", "--checkpoint.every=2", "--eval.every=0",
             "--log.every=2", "--eval.figures=false", "--decomp.faithfulness_warmup_steps=2"]
+
+    def stopped_at_step_2():  # as a stop after the step-2 checkpoint leaves the run dir
+        os.remove(run / "summary.json")
+        shutil.rmtree(run / "ckpts" / "4")
+
     assert _run([*args, f"--data.store={store}"], capsys)[0] == 0
-    os.remove(run / "summary.json")  # as a stop after the step-2 checkpoint leaves it
-    shutil.rmtree(run / "ckpts" / "4")
+    stopped_at_step_2()
+    store_id = TokenStore.open(str(store)).store_id
+    assert _run(tokenize, capsys)[0] == 0
+    assert TokenStore.open(str(store)).store_id == store_id
+    rc, _, err = _run([*args, f"--data.store={store}"], capsys)
+    assert rc == 0 and (run / "summary.json").exists(), err
+
+    stopped_at_step_2()
     shutil.copytree(store, tmp_path / "moved")
+    (tmp_path / "corpus" / "doc4.txt").write_text("a dog sat on it.")
     assert _run(tokenize, capsys)[0] == 0
     before = sorted(os.listdir(run))
     rc, _, err = _run([*args, f"--data.store={store}"], capsys)
     assert rc == 2, err
     assert (f"data.store: the token store at {store} is not the one {run} was started with"
-            in err and "written again since" in err), err
+            in err and "its rows differ" in err), err
     assert sorted(os.listdir(run)) == before and not (run / "summary.json").exists()
     rc, _, err = _run([*args, f"--data.store={tmp_path / 'moved'}"], capsys)
     assert rc == 0 and (run / "summary.json").exists(), err
@@ -423,10 +436,11 @@ def test_a_pretrain_stopped_by_sigterm_resumes_to_the_weights_and_log_of_a_strai
         lm_setup, tmp_path, capsys):
     """A real SIGTERM mid-run saves the resume state at the last completed step (exit 143);
     the same command continues from it, exactly: the weights and the log equal a straight
-    run's. A resume with another trajectory field is refused naming it, keeping the state;
-    the finished run deletes it."""
-    def args(out, *more):
-        return [f"--config={lm_setup['config']}", f"--store={lm_setup['store']}",
+    run's. A resume with another trajectory field, or on a store of other rows, is refused
+    naming it, keeping the state; the store tokenized again from the same corpus (another
+    path here) resumes; the finished run deletes the state."""
+    def args(out, *more, store=lm_setup["store"]):
+        return [f"--config={lm_setup['config']}", f"--store={store}",
                 f"--output={out}", "--target.llama_simple_mlp.pretrain.steps=300",
                 "--target.llama_simple_mlp.pretrain.log_every=1",
                 "--target.llama_simple_mlp.pretrain.eval_every=100", *more]
@@ -457,8 +471,16 @@ def test_a_pretrain_stopped_by_sigterm_resumes_to_the_weights_and_log_of_a_strai
                       capsys)
     assert rc == 2 and "target.llama_simple_mlp.pretrain.lr: 0.01 there, 0.02 here" in err, err
     assert os.path.exists(state)
+    corpus = _corpus(tmp_path)  # lm_setup's store's
+    for name in ("again", "other"):
+        assert _run(["tokenize", "--input", corpus, "--output", str(tmp_path / name),
+                     "--seq_len", "17"], capsys)[0] == 0
+        (tmp_path / "corpus" / "doc4.txt").write_text("a dog sat on it.")  # other rows next
+    rc, _, err = _run(["pretrain", *args(out, store=tmp_path / "other")], capsys)
+    assert rc == 2 and f"--store: {tmp_path / 'other'} is not the store" in err, err
+    assert "(its rows differ)" in err and os.path.exists(state)
 
-    rc, printed, err = _run(["pretrain", *args(out)], capsys)
+    rc, printed, err = _run(["pretrain", *args(out, store=tmp_path / "again")], capsys)
     assert rc == 0, err
     assert f"resuming the pretraining at step {stopped} from {state}" in printed
     assert not os.path.exists(state)

@@ -6,7 +6,7 @@ Layout under STORE (a local path or gs://bucket/prefix):
     tokens/       zarr3 array (tensorstore), sharded: one shard file per block of rows,
                   one inner chunk per row, so a random row costs one byte-range read
     meta.json     vocab_size, seq_len, n_rows, dtype, eos_id, tokenizer, source, counts,
-                  `store_id` (drawn per tokenize run: run dirs record it), `tokenizer_id`
+                  `store_id` (a digest of the rows: run dirs record it), `tokenizer_id`
                   (what the ids mean: LM targets pretrained on it record it),
                   and `array_files`: the size of every file under tokens/ as written
     COMPLETE      written last; a store without it is refused ("re-run tokenize")
@@ -27,9 +27,9 @@ gs://, which honours STORAGE_EMULATOR_HOST). A gs:// store differs from a local 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -317,6 +317,10 @@ class TokenStoreWriter:
         self.rows_per_shard = max(1, SHARD_BYTES // (seq_len * self.dtype.itemsize))
         self._buf = np.empty(self.rows_per_shard * seq_len, self.dtype)
         self._fill = 0
+        # store_id: the same rows (a tokenize run again on the same corpus) keep it, so what
+        # was started on the store resumes; other rows get another
+        self._rows_digest = hashlib.blake2b(f"{seq_len} {self.dtype.name}".encode(),
+                                            digest_size=16)
         self._array: ts.TensorStore | None = None
         self.n_rows = 0
         self.n_documents = 0
@@ -357,6 +361,7 @@ class TokenStoreWriter:
                                              expand_only=True,
                                              resize_metadata_only=True).result()
             self._array[self.n_rows:self.n_rows + n].write(rows).result()
+            self._rows_digest.update(rows.astype(self.dtype.newbyteorder("<")).tobytes())
         except (ValueError, OSError) as e:  # tensorstore reports I/O failures as ValueError
             raise StoreWriteError(f"cannot write the token store at {self.path}: "
                                   f"{_short(e)}") from None
@@ -404,7 +409,7 @@ class TokenStoreWriter:
                 "n_rows": self.n_rows, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
                 "dtype": self.dtype.name, "eos_id": self.eos_id,
                 "n_documents": self.n_documents, "n_tokens": self.n_tokens,
-                "dropped_tokens": dropped, "store_id": uuid.uuid4().hex,
+                "dropped_tokens": dropped, "store_id": self._rows_digest.hexdigest(),
             } | self.info | {"array_files": _file_sizes(fs, _join(p, ARRAY_DIR))}
             _write_small(_join(self.path, META_FILE), json.dumps(meta, indent=1) + "\n")
             _write_small(_join(self.path, MARKER_FILE), "")

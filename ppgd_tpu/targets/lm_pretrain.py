@@ -106,7 +106,7 @@ def _load_state(path: str, cfg: TargetConfig, store: TokenStore, store_path: str
     if state["store_id"] != store.store_id:
         raise ConfigError(
             f"--store: {store_path} is not the store the interrupted pretraining in {path} "
-            "trained on (another tokenize run); pass that store, or delete the file to "
+            "trained on (its rows differ); pass that store, or delete the file to "
             "start over")
     target = lm.from_state_dict(cfg.llama_simple_mlp, {
         k[len("target/"):]: v for k, v in tensors.items() if k.startswith("target/")})
