@@ -167,6 +167,17 @@ def test_incomplete_store_refused(tmp_path, monkeypatch):
         TokenStore.open(out)
 
 
+def test_short_rows_make_a_small_store(tmp_path):
+    """A shard's index has a slot per row it could hold: capped at SHARD_ROWS rows, a tiny
+    corpus at --seq_len 2 is a small store (uncapped: 8M slots, 129 MB)."""
+    out = tmp_path / "store"
+    assert main(["--input", _write_docs(tmp_path), "--output", str(out), "--seq_len", "2"]) == 0
+    store = TokenStore.open(str(out))
+    assert store.rows_per_shard == tokens.SHARD_ROWS
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    assert size < 16 * tokens.SHARD_ROWS + 2**16, size  # one shard: its index and the rest
+
+
 def test_read_rows_any_order_with_repeats(tmp_path, monkeypatch):
     monkeypatch.setattr(tokens, "SHARD_BYTES", 3 * 8 * 2)  # 3 rows per shard: many shards
     out = str(tmp_path / "store")

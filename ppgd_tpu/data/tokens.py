@@ -44,6 +44,9 @@ META_FILE = "meta.json"
 MARKER_FILE = "COMPLETE"
 # A shard (one storage object) holds about this many bytes of rows; the writer buffers one.
 SHARD_BYTES = 32 * 2**20
+# ... and at most this many rows: its index has 16 bytes per row slot, full or not, so short
+# rows would make every shard, even a tiny store's, 16 B x 8M rows (seq_len 2)
+SHARD_ROWS = 2**16
 
 
 class IncompleteStoreError(FileNotFoundError):
@@ -314,7 +317,8 @@ class TokenStoreWriter:
             raise ValueError(f"eos id {eos_id} outside the vocabulary [0, {vocab_size})")
         self.path, self.seq_len, self.vocab_size, self.eos_id = path, seq_len, vocab_size, eos_id
         self.info = dict(info)
-        self.rows_per_shard = max(1, SHARD_BYTES // (seq_len * self.dtype.itemsize))
+        self.rows_per_shard = max(1, min(SHARD_ROWS,
+                                         SHARD_BYTES // (seq_len * self.dtype.itemsize)))
         self._buf = np.empty(self.rows_per_shard * seq_len, self.dtype)
         self._fill = 0
         # store_id: the same rows (a tokenize run again on the same corpus) keep it, so what
