@@ -5,16 +5,18 @@ from ppgd_tpu import cpu_runtime as _cpu_runtime
 _cpu_runtime.add_xla_cpu_flags()  # before JAX creates its backends: same programs everywhere
 
 
-def load_decomposition(run_dir: str):
-    """Final components of a run as numpy: {site: {"V": [d_in, C], "U": [C, d_out]}}."""
-    from ppgd_tpu.engine import load_decomposition as load
-
-    return load(run_dir)
+__all__ = ["load_decomposition"]
 
 
 def __getattr__(name: str):
-    """`__version__`, read when asked: importlib.metadata costs the CLI's start-up (its
-    signal handlers wait for this package's import) ~25 ms."""
+    """`load_decomposition` (the consumer API: a run's final components as numpy,
+    {site: {"V": [d_in, C], "U": [C, d_out]}}, engine.py) and `__version__`, imported
+    when asked: JAX's import, and importlib.metadata's ~25 ms, would cost the CLI's
+    start-up (its signal handlers wait for this package's import)."""
+    if name == "load_decomposition":
+        from ppgd_tpu.engine import load_decomposition
+
+        return load_decomposition
     if name != "__version__":
         raise AttributeError(f"module 'ppgd_tpu' has no attribute {name!r}")
     from importlib import metadata

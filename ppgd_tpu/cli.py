@@ -348,10 +348,10 @@ def run(argv: list[str]) -> int:
     except ConfigError as e:
         return _refused(cmd, e)
     except ValueError as e:
-        from ppgd_tpu.checkpoint import DamagedCheckpoint
+        from ppgd_tpu.checkpoint import DamagedCheckpoint, NewerCheckpoint
         from ppgd_tpu.targets.build import TargetError
 
-        if isinstance(e, (TargetError, DamagedCheckpoint)):
+        if isinstance(e, (TargetError, DamagedCheckpoint, NewerCheckpoint)):
             return _refused(cmd, e)
         raise
 

@@ -141,9 +141,12 @@ class Trainer:
 
     def restore(self, run_dir: str, step: int):
         """Checkpoint leaves placed on THIS run's mesh, whatever mesh wrote them [C4]."""
-        infos = checkpoint.manifest.read_manifest(
-            checkpoint.manifest.step_dir(run_dir, step)).leaves
-        return checkpoint.restore(run_dir, step, shardings=self.placement.names(infos))
+        infos = checkpoint.committed_manifest(run_dir, step).leaves
+        try:
+            shardings = self.placement.names(infos)
+        except mesh_lib.MeshError as e:  # a leaf no state of this code has
+            raise checkpoint.damaged(run_dir, step, e) from None
+        return checkpoint.restore(run_dir, step, shardings=shardings)
 
     def evaluate(self, state: TrainState, step: int) -> dict:
         fast, alive = self.fast_eval(state, self.target, self.eval_batch, self.eval_labels)
@@ -225,11 +228,14 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                          cfg.decomp.faithfulness_warmup_steps, time.perf_counter() - began)
     else:  # [C3] resume: no warmup; the window continues on batch start // k [W6]
         restored = trainer.restore(rd.path, start)
-        state = resume.restore_state(trainer.dec, trainer.target, restored.arrays)
-        if start % k:
-            resume.restore_window(replay, trainer.dec, state, trainer.target,
-                                  trainer.batch(start // k), restored.arrays)
-        window = list(restored.manifest.meta.get("log_window", []))
+        try:
+            state = resume.restore_state(trainer.dec, trainer.target, restored.arrays)
+            if start % k:
+                resume.restore_window(replay, trainer.dec, state, trainer.target,
+                                      trainer.batch(start // k), restored.arrays)
+            window = resume.log_window(restored.manifest)
+        except checkpoint.DamagedCheckpoint as e:  # leaves or meta this run's state lacks
+            raise checkpoint.damaged(rd.path, start, e) from None
         logging.info("%sresumed from the checkpoint at step %d", dist.tag(), start)
     if start >= steps:
         return _finish(cfg, rd, trainer, state)
@@ -332,11 +338,13 @@ def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
     `decomposition` part of its latest committed checkpoint [C2] (no mesh needed), with a
     warning that names its step: those are not the final components.
     """
+    run_dir = storage.normalize(run_dir)  # a pathlib.Path, `~`
     if not storage.exists(run_dir):
         raise FileNotFoundError(f"{run_dir}: no such run directory")
     if not storage.is_gcs(run_dir) and not os.path.isdir(run_dir):
         raise NotADirectoryError(f"{run_dir} is a file, not a run directory")
-    path = storage.join(storage.normalize(run_dir), DECOMPOSITION)
+    rd = RunDir(run_dir)
+    path = rd.file(DECOMPOSITION)
     out: dict[str, dict[str, np.ndarray]] = {}
     if storage.exists(path):
         blob = storage.read_bytes(path)
@@ -350,12 +358,13 @@ def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
             site, part = name.rsplit("/", 1)
             out.setdefault(site, {})[part] = arr
         return out
-    if checkpoint.latest_step(run_dir) is None:
+    step = checkpoint.latest_step(run_dir)
+    if step is None:
         raise FileNotFoundError(f"{run_dir}: no decomposition yet ({DECOMPOSITION} missing and "
                                 "no committed checkpoint)")
-    step = checkpoint.latest_step(run_dir)
-    warnings.warn(f"{run_dir} has not finished: these are the components of its checkpoint "
-                  f"at step {step}, not the final ones", stacklevel=2)
+    if not rd.complete:  # (a finished run's last checkpoint is its final state)
+        warnings.warn(f"{run_dir} has not finished: these are the components of its "
+                      f"checkpoint at step {step}, not the final ones", stacklevel=2)
     arrays = checkpoint.restore(run_dir, step, parts=("decomposition",)).arrays
     prefix = "decomposition/components/"
     for name, arr in arrays.items():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ppgd_tpu.checkpoint.manifest import DamagedCheckpoint, Manifest
 from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import Decomposer, Envelope, TrainState
 
@@ -78,10 +79,21 @@ def _fill(template, arrays: dict, prefix: str):
     names = list(named_leaves(template, prefix))
     missing = [n for n in names if n not in arrays]
     if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} leaves of this run's state, e.g. "
-                         f"{missing[:3]} (was it written by a different config?)")
+        raise DamagedCheckpoint(f"it lacks {len(missing)} leaves of this run's state, e.g. "
+                                f"{missing[:3]}")
     treedef = jax.tree.structure(template)
     return jax.tree.unflatten(treedef, [jax.numpy.asarray(arrays[n]) for n in names])
+
+
+def log_window(manifest: Manifest) -> list[dict]:
+    """The log window's statistics a checkpoint between log steps carried (window_carry)."""
+    window = manifest.meta.get("log_window", [])
+    if not (isinstance(window, list) and all(
+            isinstance(m, dict) and all(isinstance(v, int | float) for v in m.values())
+            for m in window)):
+        raise DamagedCheckpoint("its manifest's meta.log_window is not a list of metric "
+                                "records")
+    return window
 
 
 def restore_state(dec: Decomposer, target, arrays: dict) -> TrainState:

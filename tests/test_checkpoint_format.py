@@ -246,9 +246,37 @@ def test_verify_finds_damage(run_dir, capsys):
         assert f"{leaf}: unreadable" in text, leaf
     assert "ci_fn" not in text and "adversary" not in text
 
+    src, dst = mf.step_dir(run_dir, 1), mf.step_dir(run_dir, 2)
+    for name in storage.list_files(src):  # a step directory copied by hand
+        storage.write_bytes(storage.join(dst, name), storage.read_bytes(storage.join(src, name)))
+    assert ("manifest is of step 1 (a step directory copied or renamed by hand)"
+            in audit.verify(run_dir)[1].problems)
+
     capsys.readouterr()
     assert cli.main(["verify", run_dir]) == 1
     assert "DAMAGED" in capsys.readouterr().out
+
+
+def test_verify_of_a_running_job_does_not_call_its_deleted_steps_damaged(run_dir, capsys,
+                                                                         monkeypatch):
+    """A job's retention deletes old steps while `ckpt verify` reads them (1 in 5 verifies of
+    a live run said DAMAGED, exit 1): a step un-committed by the time its read failed was
+    deleted, not damaged. The deletion is made to land mid-read here, by the job's own
+    delete_step."""
+    save(run_dir, 1, make_state())
+    save(run_dir, 2, make_state())
+    read_leaf = audit._leaf_problems
+
+    def the_job_deletes_step_1_meanwhile(sdir, *args):
+        if sdir == mf.step_dir(run_dir, 1) and storage.exists(sdir):
+            mf.delete_step(sdir)
+        return read_leaf(sdir, *args)
+
+    monkeypatch.setattr(audit, "_leaf_problems", the_job_deletes_step_1_meanwhile)
+    assert cli.main(["verify", run_dir]) == 0
+    out = capsys.readouterr().out
+    assert "deleted while being verified" in out and "DAMAGED" not in out
+    assert [(r.step, r.committed, r.damaged) for r in audit.verify(run_dir)] == [(2, True, False)]
 
 
 MANIFEST_DAMAGE = {"garbage manifest": b"{not json", "manifest a list": b"[1, 2]",
@@ -276,8 +304,11 @@ def test_restore_refuses_a_damaged_committed_step_C4(run_dir, damage, capsys):
         d = json.loads(storage.read_bytes(manifest))
         del d["leaves"]["decomposition/components/linear1/V"]["dtype"]
         storage.write_bytes(manifest, json.dumps(d).encode())
-    with pytest.raises(mf.DamagedCheckpoint, match=f"committed checkpoint {sdir} is damaged"):
+    is_damaged = (f"{sdir}/manifest.json is damaged" if "chunk" not in damage
+                  else f"committed checkpoint {sdir} is damaged")
+    with pytest.raises(mf.DamagedCheckpoint, match=is_damaged) as refused:
         restore(run_dir, 1)
+    assert str(refused.value).count("delete") == 1  # the way out, once (it was wrapped twice)
     if "chunk" not in damage:
         assert cli.main(["digest", run_dir]) == 2
         err = capsys.readouterr().err

@@ -420,11 +420,16 @@ def test_C5_a_stop_during_the_faithfulness_warmup_ends_it_and_saves_nothing(tmp_
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_load_decomposition_returns_numpy_components(finished_run):
+def test_load_decomposition_returns_numpy_components(finished_run, monkeypatch):
     d = load_decomposition(str(finished_run))
     assert set(d) == {"linear1", "linear2"}
     assert d["linear1"]["V"].shape == (5, 20) and d["linear1"]["U"].shape == (20, 2)
     assert d["linear2"]["V"].shape == (2, 20) and d["linear2"]["U"].shape == (20, 5)
+    # a pathlib.Path (an AttributeError) and `~` (said 'is a file') name the same run
+    monkeypatch.setenv("HOME", str(finished_run.parent))
+    for same in (finished_run, f"~/{finished_run.name}"):
+        again = load_decomposition(same)
+        assert all((again[s][p] == d[s][p]).all() for s in d for p in ("V", "U"))
 
 
 def test_load_decomposition_names_a_damaged_file(finished_run, tmp_path):

@@ -169,6 +169,59 @@ def test_C4_a_damaged_committed_checkpoint_is_refused_and_the_one_before_resumes
     assert _final_digest(run) == want
 
 
+def _edit_manifest(sdir, edit):
+    d = json.loads((sdir / "manifest.json").read_text())
+    edit(d)
+    (sdir / "manifest.json").write_text(json.dumps(d))
+
+
+MANIFEST_DAMAGE = {  # what a hand edit, a copy or a lost file leaves; the error it gave
+    "missing": lambda sdir: (sdir / "manifest.json").unlink(),  # FileNotFoundError
+    "a directory": lambda sdir: ((sdir / "manifest.json").unlink(),
+                                 (sdir / "manifest.json").mkdir()),  # IsADirectoryError
+    "a leaf less": lambda sdir: _edit_manifest(  # resume's ValueError traceback
+        sdir, lambda d: d["leaves"].pop("decomposition/components/U/linear2")),
+    "a leaf more": lambda sdir: _edit_manifest(  # 'add a placement rule to mesh.py'
+        sdir, lambda d: d["leaves"].update(
+            {"decomposition/ci_fn/w9": d["leaves"]["decomposition/components/U/linear2"]})),
+    "log_window not a list": lambda sdir: _edit_manifest(  # TypeError traceback
+        sdir, lambda d: d["meta"].update(log_window=5)),
+    "another step's": lambda sdir: _edit_manifest(  # resumed silently at the wrong step
+        sdir, lambda d: d.update(step=N - 4)),
+}
+
+
+def test_C4_a_committed_checkpoint_whose_manifest_is_damaged_is_refused_naming_it(tmp_path,
+                                                                                   capsys):
+    """Each manifest damage is refused with status 2 naming the step and the way out, before
+    anything is written (they were tracebacks, a message asking to edit mesh.py, or a silent
+    resume); a manifest from a newer format asks for an upgrade instead of a deletion."""
+    run = tmp_path / "r"
+    base = _args(run, "every", ["--checkpoint.every=4"])
+    assert cli.run(base) == 0
+    os.remove(run / "summary.json")
+    sdir = run / "ckpts" / str(N)
+    shutil.copytree(sdir, tmp_path / "pristine")
+    metrics = (run / "metrics.jsonl").read_bytes()
+    for name, damage in [*MANIFEST_DAMAGE.items(), ("newer", lambda sdir: _edit_manifest(
+            sdir, lambda d: d.update(format_version=d["format_version"] + 1)))]:
+        damage(sdir)
+        capsys.readouterr()
+        assert cli.run(base) == 2, name
+        err = capsys.readouterr().err
+        if name == "newer":
+            assert "written by a newer ppgd-tpu" in err and "upgrade" in err, err
+            assert "delete" not in err
+        else:
+            assert f"committed checkpoint {sdir} is damaged" in err, (name, err)
+            assert "Traceback" not in err and err.count("delete") == 1, (name, err)
+        assert (run / "metrics.jsonl").read_bytes() == metrics
+        assert not (run / "summary.json").exists()
+        shutil.rmtree(sdir)
+        shutil.copytree(tmp_path / "pristine", sdir)
+    assert cli.run(base) == 0  # the step, restored, resumes
+
+
 def _train_subprocess(run_dir, steps, extra=()):
     cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
            f"--decomp.steps={steps}", "--data.train_batch_replay=4",
@@ -213,15 +266,18 @@ def test_C2_load_decomposition_reads_a_stopped_run_from_its_checkpoint(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a finished run's components are final: no warning
         final = load_decomposition(str(run))
-    os.remove(run / "decomposition.safetensors")  # as if the run had stopped at step N
-    os.remove(run / "summary.json")
+        os.remove(run / "decomposition.safetensors")  # lost: its last checkpoint is final
+        from_final_ckpt = load_decomposition(str(run))
+    os.remove(run / "summary.json")  # as if the run had stopped at step N
     with pytest.warns(UserWarning, match=f"{run} has not finished: these are the components "
-                      f"of its checkpoint at step {N}, not the final ones"):
+                      f"of its checkpoint at step {N}, not the final ones") as caught:
         from_ckpt = load_decomposition(str(run))
-    assert set(from_ckpt) == set(final) == {"linear1", "linear2"}
+    assert [w.filename for w in caught] == [__file__]  # the caller's line, not the package's
+    assert set(from_ckpt) == set(from_final_ckpt) == set(final) == {"linear1", "linear2"}
     for site in final:
         for part in ("V", "U"):
             assert (from_ckpt[site][part] == final[site][part]).all()
+            assert (from_final_ckpt[site][part] == final[site][part]).all()
 
 
 def test_W1_the_loop_trains_step_s_on_batch_s_div_k(tmp_path):

@@ -1,10 +1,13 @@
 """Checkpoint storage [C1]-[C4]: flat `{leaf path: array}` state <-> RUN_DIR/ckpts/<step>/."""
 
 from ppgd_tpu.checkpoint.audit import digest, ls, verify
-from ppgd_tpu.checkpoint.checkpointer import Checkpointer, Restored, restore, save
-from ppgd_tpu.checkpoint.manifest import PARTS, DamagedCheckpoint, latest_step, list_steps, retain
+from ppgd_tpu.checkpoint.checkpointer import (Checkpointer, Restored, committed_manifest,
+                                              damaged, restore, save)
+from ppgd_tpu.checkpoint.manifest import (PARTS, DamagedCheckpoint, NewerCheckpoint, latest_step,
+                                          list_steps, retain)
 
 __all__ = [
-    "Checkpointer", "DamagedCheckpoint", "PARTS", "Restored", "digest", "latest_step", "list_steps", "ls",
-    "restore", "retain", "save", "verify",
+    "Checkpointer", "DamagedCheckpoint", "NewerCheckpoint", "PARTS", "Restored",
+    "committed_manifest", "damaged", "digest", "latest_step", "list_steps", "ls", "restore",
+    "retain", "save", "verify",
 ]

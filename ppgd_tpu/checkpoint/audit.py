@@ -129,10 +129,17 @@ def verify(run_dir: str) -> list[StepReport]:
             continue
         try:
             manifest = mf.read_manifest(e.path)
+            files = storage.list_files(e.path)
+            problems = [p for n, i in sorted(manifest.leaves.items())
+                        for p in _leaf_problems(e.path, n, i, files)]
+            if manifest.step != e.step:  # restore refuses it
+                problems.append(f"manifest is of step {manifest.step} (a step directory "
+                                "copied or renamed by hand)")
         except Exception as err:
-            report.append(StepReport(e.step, True, [f"manifest unreadable: {err}"]))
-            continue
-        files = storage.list_files(e.path)
-        problems = [p for n, i in sorted(manifest.leaves.items()) for p in _leaf_problems(e.path, n, i, files)]
-        report.append(StepReport(e.step, True, problems))
+            problems = [f"manifest unreadable: {err}"]
+        committed = True
+        if problems and not mf.is_committed(e.path):  # un-committed first (delete_step)
+            committed, problems = False, ["deleted while being verified (a running job keeps "
+                                          "only its last checkpoint.keep_last_n)"]
+        report.append(StepReport(e.step, committed, problems))
     return report

@@ -169,13 +169,8 @@ def restore(
         if step is None:
             raise FileNotFoundError(f"no committed checkpoint under {mf.ckpts_dir(run_dir)}")
     sdir = mf.step_dir(run_dir, step)
-    if not mf.is_committed(sdir):
-        raise FileNotFoundError(f"checkpoint step {step} at {sdir} is missing or incomplete (no commit marker)")
-    try:
-        manifest = mf.read_manifest(sdir)
-        infos = manifest.part(parts)
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise _damaged(run_dir, sdir, e) from e
+    manifest = committed_manifest(run_dir, step)
+    infos = manifest.part(parts)
     if shardings is not None:
         missing, extra = sorted(set(infos) - set(shardings)), sorted(set(shardings) - set(infos))
         if missing or extra:
@@ -187,12 +182,29 @@ def restore(
     try:
         arrays = arrays_io.read_leaves(sdir, infos, shardings)
     except (ValueError, OSError) as e:  # tensorstore: a missing, truncated or corrupt chunk
-        raise _damaged(run_dir, sdir, e) from e
+        raise damaged(run_dir, step, e) from e
     return Restored(int(step), arrays, manifest)
 
 
-def _damaged(run_dir: str, sdir: str, e: Exception) -> mf.DamagedCheckpoint:
+def committed_manifest(run_dir: str, step: int) -> mf.Manifest:
+    """The manifest of committed `step`: FileNotFoundError if the step is not committed,
+    DamagedCheckpoint if its manifest cannot be read or is another step's, NewerCheckpoint
+    if a newer format wrote it."""
+    sdir = mf.step_dir(run_dir, step)
+    if not mf.is_committed(sdir):
+        raise FileNotFoundError(f"checkpoint step {step} at {sdir} is missing or incomplete (no commit marker)")
+    try:
+        manifest = mf.read_manifest(sdir)  # (its content's damage: DamagedCheckpoint)
+    except OSError as e:  # missing, a directory, unreadable
+        raise damaged(run_dir, step, e) from e
+    if manifest.step != step:  # a step directory copied or renamed by hand
+        raise damaged(run_dir, step, ValueError(f"its manifest is of step {manifest.step}"))
+    return manifest
+
+
+def damaged(run_dir: str, step: int, e: Exception) -> mf.DamagedCheckpoint:
+    """The refusal of committed `step` of `run_dir` for `e`, with the way out."""
     return mf.DamagedCheckpoint(
-        f"committed checkpoint {sdir} is damaged ({type(e).__name__}: {str(e)[:300]}); "
-        f"`ppgd-tpu ckpt verify {run_dir}` lists what is damaged; delete that step's directory "
-        "to resume from the checkpoint before it")
+        f"committed checkpoint {mf.step_dir(run_dir, step)} is damaged ({type(e).__name__}: "
+        f"{str(e)[:300]}); `ppgd-tpu ckpt verify {run_dir}` lists what is damaged; delete "
+        "that step's directory to resume from the checkpoint before it")

@@ -32,6 +32,10 @@ class DamagedCheckpoint(ValueError):
     """A committed step whose manifest or arrays cannot be read back as written."""
 
 
+class NewerCheckpoint(ValueError):
+    """A checkpoint in a format this code predates: not damage, nothing to delete."""
+
+
 def ckpts_dir(run_dir: str) -> str:
     return storage.join(storage.normalize(run_dir), "ckpts")
 
@@ -90,9 +94,13 @@ class Manifest:
             version = d.get("format_version")
         except (ValueError, AttributeError) as e:  # not JSON, or JSON but not an object
             raise DamagedCheckpoint(f"{where} is damaged: not a JSON object ({e}){fix}") from None
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise NewerCheckpoint(f"{where}: written by a newer ppgd-tpu (checkpoint format "
+                                  f"{version}; this one reads {FORMAT_VERSION}): upgrade "
+                                  "ppgd-tpu to read it")
         if version != FORMAT_VERSION:
-            raise ValueError(f"{where}: checkpoint format_version {version!r}, this code "
-                             f"reads {FORMAT_VERSION}")
+            raise DamagedCheckpoint(f"{where} is damaged: format_version {version!r}, not "
+                                    f"{FORMAT_VERSION}{fix}")
         try:
             d["leaves"] = {n: LeafInfo.from_json(i) for n, i in d["leaves"].items()}
             return cls(**d)
