@@ -47,13 +47,15 @@ class UsageError(ConfigError):
 
 
 def _split_value(args: list[str], name: str) -> str | None:
-    """The value of --name in args (either --name=V or --name V), without parsing the rest."""
+    """The value of --name in args (either --name=V or --name V), without parsing the rest;
+    the last one if repeated, as absl takes every other flag's."""
+    value = None
     for i, a in enumerate(args):
         if a == f"--{name}" and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(f"--{name}="):
-            return a.split("=", 1)[1]
-    return None
+            value = args[i + 1]
+        elif a.startswith(f"--{name}="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def _named(args: list[str]) -> dict[str, str | None]:

@@ -127,6 +127,16 @@ def test_an_integer_field_takes_a_whole_number_written_as_a_float(text, want, tm
     assert type(from_flag.decomp.steps) is int
 
 
+def test_a_repeated_flag_takes_its_last_value_config_included(tmp_path):
+    """absl keeps a repeated flag's last value; --config (read before absl parses) took
+    its first, so `--config=a --config=b` ran a's config with b-meant overrides."""
+    (tmp_path / "a.yaml").write_text("decomp:\n  steps: 11\n")
+    (tmp_path / "b.yaml").write_text("decomp:\n  steps: 22\n")
+    cfg, _ = cli.parse_config_args([f"--config={tmp_path / 'a.yaml'}", "--config",
+                                    str(tmp_path / "b.yaml"), "--seed=1", "--seed=2"])
+    assert (cfg.decomp.steps, cfg.seed) == (22, 2)
+
+
 def test_a_flag_adds_the_mapping_entry_a_yaml_would(tmp_path):
     """`--decomp.tie.linear2=linear1` or a new recon term's field from the command line gives
     the config the same YAML entries give (the term's other fields at their defaults)."""
