@@ -121,3 +121,36 @@ def test_a_diverged_pretraining_stops_with_status_1_and_saves_no_nan(store, tmp_
     if checkpoint_every:
         tensors = safetensors_numpy.load(open(state, "rb").read())
         assert all(np.isfinite(t).all() for t in tensors.values())
+
+
+def test_a_resume_state_edited_by_hand_is_refused_naming_it(store, tmp_path, capsys):
+    """A resume state with the right record but a tensor gone or mis-shaped (a KeyError or
+    a dot_general TypeError mid-run before) is refused before training, exit 2, naming the
+    file and the tensor; the state stays. Made here by a pretraining that diverged after
+    its step-3 save."""
+    from safetensors import numpy as safetensors_numpy
+
+    from ppgd_tpu import cli
+
+    out = str(tmp_path / "lm.safetensors")
+    args = ["pretrain", *TINY, "--store", store, "--output", out,
+            "--target.llama_simple_mlp.pretrain.lr=1e4",
+            "--target.llama_simple_mlp.pretrain.grad_clip=0",
+            "--target.llama_simple_mlp.pretrain.checkpoint_every=3"]
+    assert cli.run(args) == 1
+    path = lm_pretrain.resume_path(out)
+    blob = open(path, "rb").read()
+    metadata = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+    tensors = safetensors_numpy.load(blob)
+    for edit, needle in [(lambda t: t.pop("opt/3"), "'opt/3': None there"),
+                         (lambda t: t.update({"target/wte": t["target/wte"][:, :4]}),
+                          "'target/wte': (384, 4) there, (384, 32) here")]:
+        edited = dict(tensors)
+        edit(edited)
+        open(path, "wb").write(safetensors_numpy.save(edited, metadata=metadata))
+        capsys.readouterr()
+        assert cli.run(args) == 2
+        err = capsys.readouterr().err
+        assert f"--output: {path} (the resume state of an interrupted pretrain) is damaged" in err
+        assert needle in err and "delete it to start over" in err, err
+        assert os.path.exists(path)

@@ -75,25 +75,35 @@ def _trajectory(cfg: TargetConfig) -> dict:
 
 def _save_state(path: str, done: int, target, opt_state, log_text: str, cfg: TargetConfig,
                 store_id: str | None) -> None:
-    tensors = {f"target/{k}": np.asarray(v) for k, v in lm.state_dict(target).items()}
-    tensors.update({f"opt/{i}": np.asarray(v)
-                    for i, v in enumerate(jax.tree.leaves(opt_state))})
+    tensors = {k: np.asarray(v) for k, v in _state_tensors(target, opt_state).items()}
     state = {"step": done, "config": _trajectory(cfg), "store_id": store_id, "log": log_text}
     storage.write_bytes(path, safetensors_numpy.save(
         tensors, metadata={"resume": json.dumps(state)}))
 
 
-def _load_state(path: str, cfg: TargetConfig, store: TokenStore, store_path: str, opt_state):
-    """(step, target, optimizer state, log text) of the state an interrupted run left."""
+def _state_tensors(target, opt_state) -> dict:
+    """The resume state's tensors: the target's state dict and the optimizer's leaves."""
+    tensors = {f"target/{k}": v for k, v in lm.state_dict(target).items()}
+    tensors.update({f"opt/{i}": v for i, v in enumerate(jax.tree.leaves(opt_state))})
+    return tensors
+
+
+def _load_state(path: str, cfg: TargetConfig, store: TokenStore, store_path: str, target,
+                opt_state):
+    """(step, target, optimizer state, log text) of the state an interrupted run left;
+    `target` and `opt_state` (fresh ones) give the tensors it must hold."""
+    def damaged(why):
+        return ConfigError(f"--output: {path} (the resume state of an interrupted pretrain) "
+                           f"is damaged ({why}); delete it to start over")
+
     blob = storage.read_bytes(path)
     state = build.recorded(blob, "resume")
     try:
         tensors = safetensors_numpy.load(blob)
     except Exception:  # safetensors raises several types for a damaged file
-        state = None
-    if state is None:
-        raise ConfigError(f"--output: {path} (the resume state of an interrupted pretrain) "
-                          "is damaged; delete it to start over")
+        raise damaged("not a readable safetensors file") from None
+    if state is None or not {"step", "config", "store_id", "log"} <= set(state):
+        raise damaged("no resume record")
     here = _trajectory(cfg)
     differ = [f"{k}: {state['config'].get(k)!r} there, {here.get(k)!r} here"
               for k in sorted(set(here) | set(state["config"]))
@@ -108,6 +118,12 @@ def _load_state(path: str, cfg: TargetConfig, store: TokenStore, store_path: str
             f"--store: {store_path} is not the store the interrupted pretraining in {path} "
             "trained on (its rows differ); pass that store, or delete the file to "
             "start over")
+    want = {k: tuple(v.shape) for k, v in _state_tensors(target, opt_state).items()}
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if got != want:  # the config matches: a file edited, or not what was saved
+        bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        raise damaged(f"{len(bad)} tensors missing, extra or mis-shaped, e.g. {bad[0]!r}: "
+                      f"{got.get(bad[0])} there, {want.get(bad[0])} here")
     target = lm.from_state_dict(cfg.llama_simple_mlp, {
         k[len("target/"):]: v for k, v in tensors.items() if k.startswith("target/")})
     leaves, treedef = jax.tree.flatten(opt_state)
@@ -164,7 +180,7 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
     state_path, start, log_text = resume_path(output), 0, ""
     if storage.exists(state_path):
         start, target, opt_state, log_text = _load_state(state_path, cfg, store, store_path,
-                                                         opt_state)
+                                                         target, opt_state)
         print(f"resuming the pretraining at step {start} from {state_path}")
 
     @eqx.filter_jit
