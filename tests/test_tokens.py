@@ -111,6 +111,18 @@ def test_parquet_refusals(tmp_path, capsys):
     assert main(["--input", str(tmp_path / "ok.parquet"), "--output", str(tmp_path / "s"),
                  "--seq_len", "2", "--tokenizer", str(tmp_path / "tok.json")]) == 2
     assert "--tokenizer applies to text input only" in capsys.readouterr().err
+    ok = ["--input", str(tmp_path / "ok.parquet"), "--output", str(tmp_path / "s")]
+    for flags, needle in [  # each named the wrong flag, or none
+            (["--seq_len", "2", "--vocab_size", "0"], "--vocab_size must be >= 1, got 0"),
+            (["--seq_len", "2", "--eos_id", "-1"], "--eos_id must be a token id (>= 0), got -1"),
+            (["--seq_len", str(10**12)], "--seq_len must be 2..16777216"),  # was a MemoryError
+            (["--seq_len", "8", "--max_tokens", "5"], "or raise --max_tokens (5)")]:
+        assert main([*ok, *flags]) == 2, flags
+        assert needle in capsys.readouterr().err, flags
+    _write_parquet(tmp_path / "neg.parquet", [[1, -3, 2]])
+    assert main(["--input", str(tmp_path / "neg.parquet"), "--output", str(tmp_path / "s"),
+                 "--seq_len", "2"]) == 2
+    assert "token id -3 is negative" in capsys.readouterr().err  # said: set --vocab_size
     with pytest.raises(IncompleteStoreError):
         TokenStore.open(str(tmp_path / "s"))
 
@@ -120,6 +132,8 @@ def test_empty_input_refused(tmp_path, capsys):
     assert main(["--input", str(tmp_path / "nothing/*.txt"), "--output", out,
                  "--seq_len", "8"]) == 2
     assert "matches no files" in capsys.readouterr().err
+    assert main(["--input", str(tmp_path), "--output", out, "--seq_len", "8"]) == 2
+    assert f"give a glob: '{tmp_path}/*'" in capsys.readouterr().err
     (tmp_path / "empty.txt").write_text("")
     assert main(["--input", str(tmp_path / "*.txt"), "--output", out, "--seq_len", "8"]) == 2
     assert "hold no tokens" in capsys.readouterr().err
@@ -131,7 +145,7 @@ def test_seq_len_the_store_cannot_hold_refused(tmp_path, capsys):
     glob_ = _write_docs(tmp_path)
     out = str(tmp_path / "store")
     assert main(["--input", glob_, "--output", out, "--seq_len", "1"]) == 2
-    assert "--seq_len must be >= 2" in capsys.readouterr().err
+    assert "--seq_len must be 2.." in capsys.readouterr().err
     total = sum(len(t.encode()) + 1 for t in DOCS if t)
     assert main(["--input", glob_, "--output", out, "--seq_len", str(total + 1)]) == 2
     err = capsys.readouterr().err

@@ -36,6 +36,7 @@ BYTE_EOS = 256
 # unembedding tiles are whole; ids 257..383 never occur.
 BYTE_VOCAB_SIZE = 384
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|eos|>")
+SEQ_LEN_MAX = 2**24  # tokens per row: a bound on the writer's row buffer, not on LMs
 ENCODE_GROUP = 64  # documents per tokenizer call (the Rust tokenizer encodes a group in parallel)
 
 
@@ -195,12 +196,19 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
             "to rewrite")
     files = expand_inputs(inputs)
     if not files:
-        raise TokenizeError(f"--input {' '.join(inputs)}: matches no files")
+        dirs = [i for i in inputs if os.path.isdir(i)]
+        hint = f" (to read the files in a directory, give a glob: '{dirs[0].rstrip('/')}/*')" \
+            if dirs else ""
+        raise TokenizeError(f"--input {' '.join(inputs)}: matches no files{hint}")
     if max_tokens is not None and max_tokens < 1:
         raise TokenizeError(f"--max_tokens must be >= 1, got {max_tokens}")
-    if seq_len < 2:
-        raise TokenizeError(f"--seq_len must be >= 2 (a row needs an input and a next "
-                            f"token), got {seq_len}")
+    if not 2 <= seq_len <= SEQ_LEN_MAX:
+        raise TokenizeError(f"--seq_len must be 2..{SEQ_LEN_MAX} (a row needs an input and a "
+                            f"next token; an LM's context is far shorter), got {seq_len}")
+    if vocab_size is not None and vocab_size < 1:
+        raise TokenizeError(f"--vocab_size must be >= 1, got {vocab_size}")
+    if eos_id is not None and eos_id < 0:
+        raise TokenizeError(f"--eos_id must be a token id (>= 0), got {eos_id}")
     parquet = [f.endswith(".parquet") for f in files]
     if any(parquet) and not all(parquet):
         raise TokenizeError("--input mixes parquet and text files; tokenize them separately")
@@ -245,8 +253,9 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
         except StoreWriteError as e:
             raise TokenizeError(f"--output: {e}") from None
         bar.set_postfix(tokens=writer.n_tokens, rows=writer.n_rows, refresh=False)
-        logging.log_every_n_seconds(logging.INFO, "tokenize: %d files, %d tokens, %d rows",
-                                    30, bar.n, writer.n_tokens, writer.n_rows)
+        logging.log_every_n_seconds(logging.INFO, "tokenize: %d documents, %d tokens, %d "
+                                    "rows", 30, writer.n_documents, writer.n_tokens,
+                                    writer.n_rows)
     bar.close()
     if writer.n_documents == 0:
         raise TokenizeError(f"--input {' '.join(inputs)}: the {len(files)} files hold no "
@@ -254,7 +263,8 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
     try:
         meta = writer.finish()
     except ValueError as e:
-        raise TokenizeError(str(e)) from e
+        more = f" or raise --max_tokens ({max_tokens})" if max_tokens is not None else ""
+        raise TokenizeError(f"{e}{more}") from e
     except StoreWriteError as e:
         raise TokenizeError(f"--output: {e}") from None
     logging.info("tokenize: wrote %d rows x %d (%s) to %s from %d documents; %d tail tokens "

@@ -336,9 +336,11 @@ class TokenStoreWriter:
         if ids.size == 0:
             return
         lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.vocab_size:
-            raise ValueError(f"token id {lo if lo < 0 else hi} outside the vocabulary "
-                             f"[0, {self.vocab_size}) (set --vocab_size)")
+        if lo < 0:
+            raise ValueError(f"token id {lo} is negative: not a token id")
+        if hi >= self.vocab_size:
+            raise ValueError(f"token id {hi} outside the vocabulary [0, {self.vocab_size}) "
+                             "(set --vocab_size)")
         self.n_documents += 1
         self._append(ids.astype(self.dtype))
         if ended and self.eos_id is not None:
