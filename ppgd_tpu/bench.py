@@ -514,5 +514,5 @@ def _print(report: dict) -> None:
 
 def main(case: str, args: list[str]) -> int:
     if case not in CASES:
-        raise cli.UsageError(f"bench: unknown case {case!r}; one of {', '.join(CASES)}")
+        raise cli.UsageError(f"unknown case {case!r}; one of {', '.join(CASES)}")
     return CASES[case](args)

@@ -6,6 +6,7 @@ Exit codes: 0 fine, 1 `verify` found damage, 2 bad usage or path (message on std
 from __future__ import annotations
 
 import argparse
+import posixpath
 import sys
 
 from ppgd_tpu.checkpoint import audit
@@ -24,6 +25,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _not_a_run_dir(run_dir: str, given: str) -> str:
+    """What to say of a path with no ckpts/: it may be the run's ckpts/ or a step in it."""
+    head, name = posixpath.split(run_dir)
+    if name == "ckpts":
+        return f"{given} is a checkpoint directory: give its run directory, {head}"
+    if posixpath.basename(head) == "ckpts" and name.isdigit():
+        return f"{given} is one step's checkpoint: give its run directory, {posixpath.dirname(head)}"
+    return f"is {given!r} a run directory?"
+
+
 def main(argv: list[str]) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -32,7 +43,8 @@ def main(argv: list[str]) -> int:
     try:
         run_dir = storage.normalize(args.run_dir)
         if not storage.exists(mf.ckpts_dir(run_dir)):
-            raise FileNotFoundError(f"{mf.ckpts_dir(run_dir)} does not exist; is {args.run_dir!r} a run directory?")
+            raise FileNotFoundError(f"{mf.ckpts_dir(run_dir)} does not exist; "
+                                    + _not_a_run_dir(run_dir, args.run_dir))
         if not mf.list_steps(run_dir):  # an empty ckpts/, or a file in its place
             raise FileNotFoundError(f"{mf.ckpts_dir(run_dir)} holds no checkpoint (no step "
                                     "directory): nothing to list or check")
