@@ -1,6 +1,7 @@
 """Token store and `ppgd-tpu tokenize`: round trips through real files, and refusals."""
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -158,27 +159,62 @@ def test_seq_len_the_store_cannot_hold_refused(tmp_path, capsys):
         tokens.token_dtype(2**32 + 1)
 
 
-def test_incomplete_store_refused(tmp_path, monkeypatch):
+def test_incomplete_store_refused_and_a_rewrite_keeps_the_store_until_it_ends(tmp_path,
+                                                                              monkeypatch):
     out = str(tmp_path / "store")
-    assert main(["--input", _write_docs(tmp_path), "--output", out, "--seq_len", "32"]) == 0
-    assert TokenStore.open(out).n_rows > 0
-    # a re-write that dies after its first shard leaves the store incomplete, not stale
-    monkeypatch.setattr(tokens, "SHARD_BYTES", 4 * 32 * 2)
-    writer = TokenStoreWriter(out, seq_len=32, vocab_size=300, eos_id=256, info={})
-    writer.add_document(np.arange(200))
-    assert writer.n_rows == 4  # one shard reached storage
+    monkeypatch.setattr(tokens, "SHARD_BYTES", 4 * 32 * 2)  # 4 rows a shard: written early
+    # a first write that dies after its first shard leaves an incomplete store, refused
+    first = TokenStoreWriter(out, seq_len=32, vocab_size=300, eos_id=256, info={})
+    first.add_document(np.arange(200))
+    assert first.n_rows == 4  # one shard reached storage
     with pytest.raises(IncompleteStoreError, match=f"incomplete token store at {out}: re-run"):
         TokenStore.open(out)
-    # the same writer, finished, is a complete store of its own rows
+    assert main(["--input", _write_docs(tmp_path), "--output", out, "--seq_len", "32"]) == 0
+    before = _all_ids(TokenStore.open(out))
+    # a rewrite that dies after its first shard leaves the store as it was (it was made
+    # incomplete: a failed rewrite lost the store it was replacing)
+    writer = TokenStoreWriter(out, seq_len=32, vocab_size=300, eos_id=256, info={})
+    writer.add_document(np.arange(200))
+    assert writer.n_rows == 4 and writer.array_dir == tokens.ARRAY_DIRS[1]
+    np.testing.assert_array_equal(_all_ids(TokenStore.open(out)), before)
+    # the same writer, finished, is a complete store of its own rows, the old rows gone
     meta = writer.finish()
     store = TokenStore.open(out)
     assert meta["n_rows"] == store.n_rows == 201 // 32
     np.testing.assert_array_equal(_all_ids(store),
                                   np.append(np.arange(200), 256)[:store.n_rows * 32])
+    assert sorted(os.listdir(out)) == ["COMPLETE", "meta.json", tokens.ARRAY_DIRS[1]]
     # a deleted marker is refused as well
     (tmp_path / "store" / tokens.MARKER_FILE).unlink()
     with pytest.raises(IncompleteStoreError, match="incomplete token store"):
         TokenStore.open(out)
+
+
+def test_a_rewrite_that_fails_leaves_the_store_it_was_replacing(tmp_path, monkeypatch,
+                                                                 capsys):
+    """`tokenize` again at a store's path, with a bad id in its last file: refused (exit 2)
+    after shards of new rows were written, and the store reads as before (it was lost: the
+    rewrite had made it incomplete). The next rewrite that ends replaces it and leaves one
+    array."""
+    monkeypatch.setattr(tokens, "SHARD_BYTES", 4 * 8 * 2)  # 4 rows a shard
+    _write_parquet(tmp_path / "a.parquet", [list(range(i, i + 50)) for i in range(20)])
+    out = str(tmp_path / "store")
+    args = ["--output", out, "--seq_len", "8", "--vocab_size", "100"]
+    assert main(["--input", str(tmp_path / "a.parquet"), *args]) == 0
+    before = TokenStore.open(out)
+    ids = _all_ids(before)
+    _write_parquet(tmp_path / "b.parquet", [list(range(60))] * 20)
+    _write_parquet(tmp_path / "z.parquet", [[1, -3]])  # read last
+    assert main(["--input", str(tmp_path / "*.parquet"), *args]) == 2
+    assert "token id -3 is negative" in capsys.readouterr().err
+    assert len(os.listdir(os.path.join(out, tokens.ARRAY_DIRS[1], "c"))) > 1  # shards written
+    after = TokenStore.open(out)
+    assert after.store_id == before.store_id
+    np.testing.assert_array_equal(_all_ids(after), ids)
+    os.remove(tmp_path / "z.parquet")
+    assert main(["--input", str(tmp_path / "*.parquet"), *args]) == 0
+    assert TokenStore.open(out).n_rows > before.n_rows
+    assert sorted(os.listdir(out)) == ["COMPLETE", "meta.json", tokens.ARRAY_DIRS[1]]
 
 
 def test_short_rows_make_a_small_store(tmp_path):

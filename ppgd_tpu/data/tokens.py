@@ -4,7 +4,8 @@ by `ppgd-tpu tokenize` and range-read by every host for its own rows only.
 Layout under STORE (a local path or gs://bucket/prefix):
 
     tokens/       zarr3 array (tensorstore), sharded: one shard file per block of rows,
-                  one inner chunk per row, so a random row costs one byte-range read
+                  one inner chunk per row, so a random row costs one byte-range read;
+                  or tokens-b/, as meta.json's `array_dir` says (see the rewrite below)
     meta.json     vocab_size, seq_len, n_rows, dtype, eos_id, tokenizer, source, counts,
                   `store_id` (a digest of the rows: run dirs record it), `tokenizer_id`
                   (what the ids mean: LM targets pretrained on it record it),
@@ -18,6 +19,9 @@ otherwise fail at some later read, or read as zeros). A store from before `array
 is checked for its shard files only. A read that still fails names the shard; a chunk
 missing at read time (a store rewritten under a running command) fails too, never zeros.
 A writer replaces the store at its path, so it refuses a path holding anything else.
+It writes its rows beside a complete store's (into the other of ARRAY_DIRS) and switches
+meta.json to them only once they are all written, then deletes the old ones: a rewrite that
+fails or is stopped leaves the store as it was (its partial rows are cleared by the next).
 
 The array goes through tensorstore's kvstores (`file` or `gcs`; the gcs driver honours
 TENSORSTORE_GCS_HTTP_URL for an emulator); the two small files go through fsspec (gcsfs for
@@ -39,7 +43,7 @@ from ppgd_tpu import storage
 
 FORMAT = "ppgd_tpu.token_store"
 FORMAT_VERSION = 1
-ARRAY_DIR = "tokens"
+ARRAY_DIRS = ("tokens", "tokens-b")  # a rewrite writes into the one not in use
 META_FILE = "meta.json"
 MARKER_FILE = "COMPLETE"
 # A shard (one storage object) holds about this many bytes of rows; the writer buffers one.
@@ -95,6 +99,7 @@ def _check_meta(meta, where: str) -> None:
                              ("vocab_size", lambda v: whole(v, 1)),
                              ("dtype", lambda v: v in ("uint16", "uint32")),
                              ("eos_id", lambda v: v is None or whole(v, 0)),
+                             ("array_dir", lambda v: v is None or v in ARRAY_DIRS),
                              ("array_files", lambda v: v is None or (
                                  isinstance(v, dict)
                                  and all(type(n) is int for n in v.values()))))
@@ -146,8 +151,12 @@ def _write_small(path: str, text: str) -> None:
     fs.pipe_file(p, text.encode())
 
 
-def _array_spec(path: str) -> dict:
-    return {"driver": "zarr3", "kvstore": _kvstore(_join(path, ARRAY_DIR))}
+def _array_spec(path: str, array_dir: str) -> dict:
+    return {"driver": "zarr3", "kvstore": _kvstore(_join(path, array_dir))}
+
+
+def _array_dir(meta: dict) -> str:
+    return meta.get("array_dir", ARRAY_DIRS[0])  # (stores from before the rewrite beside)
 
 
 @dataclass(frozen=True)
@@ -163,7 +172,8 @@ class TokenStore:
         fs, p = fs_for(path)
         fs.invalidate_cache()  # gcsfs caches listings; a rewrite may have happened since
         if not fs.exists(_join(p, MARKER_FILE)):
-            if fs.exists(_join(p, META_FILE)) or fs.exists(_join(p, ARRAY_DIR)):
+            if fs.exists(_join(p, META_FILE)) or any(fs.exists(_join(p, d))
+                                                     for d in ARRAY_DIRS):
                 raise IncompleteStoreError(
                     f"incomplete token store at {path}: re-run tokenize")
             raise IncompleteStoreError(f"no token store at {path}: run `ppgd-tpu tokenize`")
@@ -179,10 +189,11 @@ class TokenStore:
         except OSError as e:
             raise IncompleteStoreError(f"cannot read {where} ({e})") from None
         _check_meta(meta, where)
-        tokens_dir = _join(path, ARRAY_DIR)
+        array_dir = _array_dir(meta)
+        tokens_dir = _join(path, array_dir)
         written = meta.get("array_files")
         if written is not None:
-            found = _file_sizes(fs, _join(p, ARRAY_DIR))
+            found = _file_sizes(fs, _join(p, array_dir))
             for name, size in written.items():
                 if name not in found:
                     raise DamagedStoreError(f"{_join(tokens_dir, name)} is missing (tokenize "
@@ -192,8 +203,8 @@ class TokenStore:
                         f"{_join(tokens_dir, name)} has {found[name]} bytes, tokenize wrote "
                         f"{size} (cut short or changed); {REWRITE}")
         try:  # a chunk gone since this check (a tokenize rewriting the store) fails to read
-            array = ts.open(_array_spec(path) | {"fill_missing_data_reads": False}, open=True,
-                            read=True).result()
+            array = ts.open(_array_spec(path, array_dir) | {"fill_missing_data_reads": False},
+                            open=True, read=True).result()
         except ValueError as e:
             raise DamagedStoreError(f"{_join(tokens_dir, 'zarr.json')}: the token array "
                                     f"cannot be opened ({_short(e)}); {REWRITE}") from None
@@ -204,13 +215,17 @@ class TokenStore:
                 f"{array.dtype.numpy_dtype}, meta.json says {want} {meta['dtype']}; {REWRITE}")
         store = cls(path, meta, array)
         if written is None:  # a store from before array_files: its shards must all be there
-            found = _file_sizes(fs, _join(p, ARRAY_DIR))
+            found = _file_sizes(fs, _join(p, array_dir))
             lost = [s for s in range(-(-store.n_rows // store.rows_per_shard))
                     if store._shard_key(s) not in found]
             if lost:
                 raise DamagedStoreError(f"{_join(tokens_dir, store._shard_key(lost[0]))} is "
                                         f"missing ({len(lost)} shard file(s) lost); {REWRITE}")
         return store
+
+    @property
+    def tokens_dir(self) -> str:
+        return _join(self.path, _array_dir(self.meta))
 
     @property
     def rows_per_shard(self) -> int:
@@ -271,19 +286,19 @@ class TokenStore:
             try:
                 self.array[rows[rows // self.rows_per_shard == s]].read().result()
             except ValueError:
-                bad.append(_join(_join(self.path, ARRAY_DIR), self._shard_key(int(s))))
-        where = ", ".join(bad) if bad else f"the shards of {_join(self.path, ARRAY_DIR)}"
+                bad.append(_join(self.tokens_dir, self._shard_key(int(s))))
+        where = ", ".join(bad) if bad else f"the shards of {self.tokens_dir}"
         return DamagedStoreError(f"{where}: cannot read token rows ({_short(error)}); "
                                  f"{REWRITE}")
 
 
 def foreign_files(path: str) -> list[str]:
     """What at `path` a tokenize run would destroy that is not a token store's: files
-    other than tokens/ (zarr.json, c/), meta.json of this format and COMPLETE. A writer
+    other than ARRAY_DIRS (zarr.json, c/), meta.json of this format and COMPLETE. A writer
     replaces the store at its path, so it is refused anything else (a user's directory)."""
     names = storage.list_entries(path)
-    array = ARRAY_DIR + "/"
-    foreign = [n for n in names if n not in (array, META_FILE, MARKER_FILE)]
+    arrays = [d + "/" for d in ARRAY_DIRS]
+    foreign = [n for n in names if n not in (*arrays, META_FILE, MARKER_FILE)]
     if META_FILE in names:
         try:
             ours = json.loads(storage.read_bytes(_join(path, META_FILE))).get("format") == FORMAT
@@ -291,9 +306,10 @@ def foreign_files(path: str) -> list[str]:
             ours = False
         if not ours:
             foreign.append(f"{META_FILE} (not a token store's)")
-    if array in names:
-        foreign += [array + n for n in storage.list_entries(_join(path, ARRAY_DIR))
-                    if n not in ("zarr.json", "c/")]
+    for array in arrays:
+        if array in names:
+            foreign += [array + n for n in storage.list_entries(_join(path, array))
+                        if n not in ("zarr.json", "c/")]
     return sorted(foreign)
 
 
@@ -302,9 +318,10 @@ class TokenStoreWriter:
 
     Each document is followed by `eos_id` (when given) and the stream is cut into rows; the
     last partial row is dropped (`finish` reports how many tokens). Memory stays at one
-    shard of rows: the store is created lazily on the first full shard, resized as shards
-    are appended, and marked complete only by `finish`. Any existing store at the path is
-    first made incomplete, so a crashed rewrite is never read as finished.
+    shard of rows: the array is created lazily on the first full shard, resized as shards
+    are appended, and made the store's only by `finish`. A complete store at the path stays
+    readable until then (its rows are in the other of ARRAY_DIRS); one that cannot be read
+    is first made incomplete, so a crashed rewrite is never read as finished.
     """
 
     def __init__(self, path: str, *, seq_len: int, vocab_size: int, eos_id: int | None,
@@ -326,6 +343,7 @@ class TokenStoreWriter:
         self._rows_digest = hashlib.blake2b(f"{seq_len} {self.dtype.name}".encode(),
                                             digest_size=16)
         self._array: ts.TensorStore | None = None
+        self.array_dir: str | None = None  # which of ARRAY_DIRS, chosen by _create
         self.n_rows = 0
         self.n_documents = 0
         self.n_tokens = 0  # consumed, separators included
@@ -378,12 +396,17 @@ class TokenStoreWriter:
 
     def _create(self) -> ts.TensorStore:
         fs, p = fs_for(self.path)
-        if fs.exists(_join(p, MARKER_FILE)):
-            fs.rm_file(_join(p, MARKER_FILE))
+        try:
+            in_use = _array_dir(TokenStore.open(self.path).meta)
+        except IncompleteStoreError:  # none, or one that cannot be read: nothing to keep
+            in_use = None
+            if fs.exists(_join(p, MARKER_FILE)):
+                fs.rm_file(_join(p, MARKER_FILE))
+        self.array_dir = ARRAY_DIRS[1] if in_use == ARRAY_DIRS[0] else ARRAY_DIRS[0]
         inner = [{"name": "bytes", "configuration": {"endian": "little"}},
                  {"name": "zstd", "configuration": {"level": 3}}]
         index = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-        spec = _array_spec(self.path) | {
+        spec = _array_spec(self.path, self.array_dir) | {
             "metadata": {
                 "shape": [0, self.seq_len],
                 "data_type": self.dtype.name,
@@ -399,8 +422,9 @@ class TokenStoreWriter:
         return ts.open(spec).result()
 
     def finish(self) -> dict:
-        """Write the last full rows, meta.json, then the COMPLETE marker; returns the meta.
-        Refuses a corpus shorter than one row."""
+        """Write the last full rows, meta.json (the switch to them: one atomic write), the
+        COMPLETE marker, then delete the rows the store had; returns the meta. Refuses a
+        corpus shorter than one row."""
         full = self._fill // self.seq_len
         dropped = self._fill - full * self.seq_len
         if self.n_rows + full == 0:
@@ -416,9 +440,15 @@ class TokenStoreWriter:
                 "dtype": self.dtype.name, "eos_id": self.eos_id,
                 "n_documents": self.n_documents, "n_tokens": self.n_tokens,
                 "dropped_tokens": dropped, "store_id": self._rows_digest.hexdigest(),
-            } | self.info | {"array_files": _file_sizes(fs, _join(p, ARRAY_DIR))}
-            _write_small(_join(self.path, META_FILE), json.dumps(meta, indent=1) + "\n")
+                "array_dir": self.array_dir,
+            } | self.info | {"array_files": _file_sizes(fs, _join(p, self.array_dir))}
+            storage.write_bytes(_join(self.path, META_FILE),
+                                (json.dumps(meta, indent=1) + "\n").encode())
             _write_small(_join(self.path, MARKER_FILE), "")
         except OSError as e:
             raise StoreWriteError(f"cannot write the token store at {self.path}: {e}") from None
+        fs.invalidate_cache()
+        for old in ARRAY_DIRS:  # the replaced rows, or a failed rewrite's
+            if old != self.array_dir and fs.exists(_join(p, old)):
+                fs.rm(_join(p, old), recursive=True)
         return meta
