@@ -254,8 +254,8 @@ class TokenStore:
 
     @property
     def store_id(self) -> str | None:
-        """Drawn by each tokenize run (None for stores from before it): a rewrite of the
-        store at the same path has another one."""
+        """A digest of the rows (random in stores from before it; None in older ones): a
+        rewrite of other rows at the same path has another one, of the same rows the same."""
         return self.meta.get("store_id")
 
     @property
