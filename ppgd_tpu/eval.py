@@ -254,7 +254,8 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
     for ax, s in zip(axes[0], dec.sites):
         density = activation_density(np.asarray(ci[s]), thr)
         ax.bar(np.arange(len(density)), np.sort(density)[::-1], width=1.0)
-        ax.set_yscale("log")
+        if density.any():  # (matplotlib warns of a log scale with nothing above 0)
+            ax.set_yscale("log")
         ax.set_title(f"{s}\nactivation density (CI > {thr})", fontsize=9)
         ax.set_xlabel("component (sorted)")
         ax.set_ylabel("fraction of positions")

@@ -52,6 +52,7 @@ def test_batches_are_store_rows_of_the_schedule_and_skip_the_held_out_rows(corpu
     ({"target.llama_simple_mlp.max_seq_len": 8}, "max_seq_len: 8 is shorter than the "
                                                  "sequences of the token store"),
     ({"data.eval_rows": 4000}, "data.eval_rows: 4000 held-out rows leave fewer than one batch"),
+    ({"data.batch_size": 40000}, "data.batch_size: 40000 rows exceed the"),  # said eval_rows
     ({"eval.batch_size": 64}, "eval.batch_size: 64 exceeds the 32 rows eval draws from"),
 ])
 def test_lm_data_is_refused_by_field_before_compute(corpus, over, needle, capsys, tmp_path):

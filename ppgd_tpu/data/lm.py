@@ -74,6 +74,9 @@ class LMData:
         if n_proc > 1 and B % jax.device_count():
             raise ConfigError(f"data.batch_size: {B} does not divide over "
                               f"{jax.device_count()} devices; use a multiple of it [D3]")
+        if B > n:
+            raise ConfigError(f"data.batch_size: {B} rows exceed the {n} rows of {d.store}; "
+                              "lower it, or tokenize more text")
         if not d.eval_rows < n - B + 1:
             raise ConfigError(
                 f"data.eval_rows: {d.eval_rows} held-out rows leave fewer than one batch "

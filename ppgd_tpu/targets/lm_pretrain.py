@@ -157,6 +157,10 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
     except IncompleteStoreError as e:
         raise ConfigError(f"--store: {e}") from None
     lm.check_tokens(lcfg, store.vocab_size, store.seq_len - 1, f"the token store at {store_path}")
+    if pc.batch_size > store.n_rows:
+        raise ConfigError(f"target.llama_simple_mlp.pretrain.batch_size: {pc.batch_size} rows "
+                          f"exceed the store's {store.n_rows} rows; lower it, or tokenize "
+                          "more text")
     if not pc.eval_rows < store.n_rows - pc.batch_size + 1:
         raise ConfigError(
             f"target.llama_simple_mlp.pretrain.eval_rows: {pc.eval_rows} held-out rows leave "
