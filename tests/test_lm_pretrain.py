@@ -154,3 +154,9 @@ def test_a_resume_state_edited_by_hand_is_refused_naming_it(store, tmp_path, cap
         assert f"--output: {path} (the resume state of an interrupted pretrain) is damaged" in err
         assert needle in err and "delete it to start over" in err, err
         assert os.path.exists(path)
+    # given to train as the target (its name is close to the weights' own): said what it is
+    rc = cli.run(["train", *TINY, f"--target.path={path}", f"--data.store={store}",
+                  f"--run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is the saved state of an interrupted pretraining, not a target" in err
+    assert len(err) < 400 and not (tmp_path / "run").exists()

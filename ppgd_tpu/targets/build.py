@@ -113,6 +113,10 @@ def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
         sd = safetensors_numpy.load(blob)
     except Exception as e:  # safetensors raises several types for a damaged header
         raise TargetError(f"{what}: {path} is not a readable safetensors file ({e})") from None
+    if recorded(blob, "resume") is not None:  # pretrain's <stem>.resume.safetensors
+        raise ConfigError(f"{what}: {path} is the saved state of an interrupted pretraining, "
+                          "not a target: re-run that pretrain command to finish it, and give "
+                          "its --output here")
     _check_recorded_config(cfg, recorded(blob, "target"), path, what)
     template = jax.eval_shape(lambda: mod.state_dict(mod.init(sub, jax.random.key(0))))
     problems = [f"missing tensor {k!r} (expected shape {tuple(v.shape)})"
