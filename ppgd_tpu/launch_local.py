@@ -7,9 +7,10 @@ after `--` as-is with `--exec`) with the PPGD_* variables that `ppgd_tpu.dist.in
 reads, on a free localhost port. This is how multi-host behaviour (gloo collectives,
 stop-signal consensus [C5], per-process checkpoint writes) runs on one machine.
 
-Output is streamed line by line with a `[pN]` prefix. Fail-fast: the first child that
-exits non-zero gets the others killed, is named with its exit code, and its code is ours
-(a child killed by signal S counts as 128+S). The first SIGTERM/SIGINT sent to the launcher
+Output is streamed line by line with a `[pN]` prefix (none on lines the child tagged
+`[pN/M]` itself). Fail-fast: the first child that exits non-zero gets the others killed,
+is named with its exit code, and its code is ours (a child killed by signal S counts as
+128+S). The first SIGTERM/SIGINT sent to the launcher
 is forwarded to every child (SIGHUP, a closed terminal, as SIGTERM); the children agree on a
 stop step, save, and exit 0; later signals are only noted, so pressing Ctrl-C again cannot
 turn that clean stop into a failure. Children run in their own process groups so a
@@ -88,11 +89,14 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _pump(index: int, stream: IO[bytes], out_lock: threading.Lock) -> None:
-    prefix = f"[p{index}] ".encode()
+    """The child's lines, each prefixed `[pN] ` but those it tagged itself (`[pN/M]`,
+    dist.tag()): they say which process already."""
+    prefix, tagged = f"[p{index}] ".encode(), f"[p{index}/".encode()
     out = sys.stdout.buffer
     for line in iter(stream.readline, b""):
+        line = line if line.endswith(b"\n") else line + b"\n"
         with out_lock:
-            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.write(line if line.startswith(tagged) else prefix + line)
             out.flush()
     stream.close()
 

@@ -12,6 +12,7 @@ LAUNCHER_VARS = ("PPGD_COORDINATOR_ADDRESS", "PPGD_NUM_PROCESSES", "PPGD_PROCESS
 env = {k: v for k, v in os.environ.items() if k in LAUNCHER_VARS}
 print("ECHO " + json.dumps({"argv": sys.argv[1:], "env": env}), flush=True)
 me = int(os.environ["PPGD_PROCESS_ID"])
+print(f"[p{me}/{os.environ['PPGD_NUM_PROCESSES']}] a line tagged as dist.tag() does", flush=True)
 mode = os.environ.get("DIST_ECHO_MODE", "exit")
 if mode == "fail":  # p0 records its pid and waits to be killed; p1 fails once p0 is up
     pid_file = Path(os.environ["DIST_ECHO_DIR"]) / "p0.pid"

@@ -48,6 +48,8 @@ def test_args_after_double_dash_reach_every_child_unchanged_with_module():
                "--devices_per_process", "2", "--module", "tests.dist_echo", "--", *ARGS])
     assert out.returncode == 0, out.stdout + out.stderr
     check_echoes(out.stdout, 3, 2)
+    tagged = sorted(ln for ln in out.stdout.splitlines() if "tagged as dist.tag()" in ln)
+    assert [ln.split()[0] for ln in tagged] == ["[p0/3]", "[p1/3]", "[p2/3]"]  # not doubled
 
 
 def test_shell_wrapper_passes_flags_and_args_through():
