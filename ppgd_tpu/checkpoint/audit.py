@@ -76,10 +76,13 @@ def digest(run_dir: str, step: int | None = None) -> Digest:
     step = _committed_step(run_dir, step)
     sdir = mf.step_dir(run_dir, step)
     manifest = mf.read_manifest(sdir)
-    leaves = {
-        n: _leaf_digest(arrays_io.open_leaf(storage.join(sdir, n), n, i), i)
-        for n, i in sorted(manifest.leaves.items())
-    }
+    leaves = {}
+    for n, i in sorted(manifest.leaves.items()):
+        try:
+            leaves[n] = _leaf_digest(arrays_io.open_leaf(storage.join(sdir, n), n, i), i)
+        except ValueError as e:  # tensorstore: a chunk missing, cut short or corrupt
+            raise mf.DamagedCheckpoint(f"{storage.join(sdir, n)} is damaged: "
+                                       f"{str(e).splitlines()[0][:300]}") from None
     overall = hashlib.sha256("".join(f"{n}\t{d}\n" for n, d in leaves.items()).encode())
     return Digest(step, leaves, overall.hexdigest())
 

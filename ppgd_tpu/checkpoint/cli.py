@@ -1,6 +1,7 @@
 """`ppgd-tpu ckpt ls|digest|verify RUN_DIR`: inspect checkpoints on local disk or gs://.
 
-Exit codes: 0 fine, 1 `verify` found damage, 2 bad usage or path (message on stderr).
+Exit codes: 0 fine, 1 damage found (`verify` lists it all; `digest` stops at the first),
+2 bad usage or path (message on stderr).
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ def main(argv: list[str]) -> int:
             for p in r.problems:
                 print(f"  {p}")
         return 1 if any(r.damaged for r in report) else 0
+    except mf.DamagedCheckpoint as e:
+        print(f"ppgd-tpu ckpt {args.cmd}: {e} (`ppgd-tpu ckpt verify {args.run_dir}` lists "
+              "all the damage)", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError) as e:
         print(f"ppgd-tpu ckpt {args.cmd}: {e}", file=sys.stderr)
         return 2
