@@ -302,6 +302,8 @@ DELEGATED = {
 }
 COMMANDS = {"train": cmd_train, "pretrain": cmd_pretrain, "bench": cmd_bench,
             "shardings": cmd_shardings}
+# One process writes these commands' files: N processes would each write the same ones.
+ONE_PROCESS = ("pretrain", "tokenize")
 
 
 def _argparse_help(args: list[str]) -> list[str]:
@@ -336,6 +338,13 @@ def run(argv: list[str]) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     try:
+        if cmd in ONE_PROCESS:
+            from ppgd_tpu import dist
+
+            if int(os.environ.get(dist.ENV_NUM_PROCESSES) or 1) > 1:
+                raise UsageError(f"{cmd} runs as one process ({dist.ENV_NUM_PROCESSES} is "
+                                 f"{os.environ[dist.ENV_NUM_PROCESSES]}: every process would "
+                                 "write the same files); run it without launch-local")
         if cmd in COMMANDS:
             return COMMANDS[cmd](rest)
         if cmd in DELEGATED:
@@ -366,9 +375,9 @@ def _end(code: int, message: str) -> None:
     processes (dist.report_failure), and skips the exit barrier they would never reach."""
     print(message, file=sys.stderr, flush=True)
     if _multi_process():  # a traceback's last line says what failed; a refusal is all said
-        refused = code == 2  # ... and ends the others as refused too (else as failed, 1)
-        notice = message if refused else message.splitlines()[-1]
-        sys.modules["ppgd_tpu.dist"].report_failure(notice, 2 if refused else 1)
+        notice = message if code == 2 else message.splitlines()[-1]
+        # the others end with this code: 2 as refused, 130/143 as stopped, 1 as failed
+        sys.modules["ppgd_tpu.dist"].report_failure(notice, code)
         os._exit(code)
     sys.exit(code)
 

@@ -469,7 +469,8 @@ class StopSignal:
             raise RuntimeError(f"{tag()} stop consensus failed: {self._error}") from self._error
         if n == self._decision:
             self.stop_step = step
-            logging.warning("stopping after step %d (%s)", step, self.reason)
+            logging.warning("stopping %s (%s)", f"after step {step}" if step >= 0
+                            else "before step 1 (during the faithfulness warmup)", self.reason)
         return n >= self._decision
 
     def _propose(self, call: int) -> None:

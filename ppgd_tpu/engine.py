@@ -200,7 +200,7 @@ def train(cfg: Config, run_dir: str) -> dict:
             rd.create(cfg, trainer.target_sha256, trainer.store_id)
         rd.drop_torn_writes()
         dist.barrier("run_dir_ready")
-        logging.info("%srun dir %s", dist.tag(), rd.path)
+        logging.info("run dir %s", rd.path)
         saver = checkpoint.Checkpointer(
             rd.path, keep_last_n=cfg.checkpoint.keep_last_n,
             keep_every=cfg.checkpoint.keep_every or None, config_hash=config_hash(cfg),
@@ -224,7 +224,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                   "Re-run the same command to start over.")
             return {}
         if cfg.decomp.faithfulness_warmup_steps:
-            logging.info("%sinit and faithfulness warmup (%d steps): %.1f s", dist.tag(),
+            logging.info("init and faithfulness warmup (%d steps): %.1f s",
                          cfg.decomp.faithfulness_warmup_steps, time.perf_counter() - began)
     else:  # [C3] resume: no warmup; the window continues on batch start // k [W6]
         restored = trainer.restore(rd.path, start)
@@ -236,7 +236,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
             window = resume.log_window(restored.manifest)
         except checkpoint.DamagedCheckpoint as e:  # leaves or meta this run's state lacks
             raise checkpoint.damaged(rd.path, start, e) from None
-        logging.info("%sresumed from the checkpoint at step %d", dist.tag(), start)
+        logging.info("resumed from the checkpoint at step %d", start)
     if start >= steps:
         return _finish(cfg, rd, trainer, state)
 

@@ -135,8 +135,9 @@ def main(argv: list[str]) -> int:
     def forward(signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
         if forwarded:
+            groups = " ".join(f"-{c.pid}" for c in children if c.poll() is None)
             _say(f"got {name}; {forwarded[0]} was forwarded already: the children are "
-                 "stopping (SIGKILL this launcher to kill them)")
+                 f"stopping (to end them at once, unsaved: kill -KILL -- {groups})")
             return
         forwarded.append(name)
         as_ = signal.SIGTERM if signum == signal.SIGHUP else signum
@@ -161,7 +162,7 @@ def main(argv: list[str]) -> int:
             t.start()
             pumps.append(t)
             threading.Thread(target=lambda i=i, c=c: exits.put((i, c.wait())), daemon=True).start()
-        code = _wait(children, exits)
+        code = _wait(children, exits, forwarded)
     finally:
         for c in children:
             _kill(c)
@@ -173,8 +174,11 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def _wait(children: list[subprocess.Popen], exits: queue.Queue[tuple[int, int]]) -> int:
-    """Block until every child exits 0, or until the first failure (then kill the rest)."""
+def _wait(children: list[subprocess.Popen], exits: queue.Queue[tuple[int, int]],
+          forwarded: list[str]) -> int:
+    """Block until every child exits 0, or until the first failure (then kill the rest). A
+    child that ends with 130/143 after a forwarded signal was stopped by it, before its
+    loop (every child ends so), not failed."""
     for _ in children:
         while True:
             try:  # a timeout keeps the main thread responsive to forwarded signals
@@ -185,7 +189,11 @@ def _wait(children: list[subprocess.Popen], exits: queue.Queue[tuple[int, int]])
         if rc != 0:
             how = (f"was killed by signal {-rc} ({_exit_code(rc)})" if rc < 0
                    else f"exited with code {rc}")
-            _say(f"process p{index} {how}; killing the others")
+            if forwarded and rc in (130, 143):
+                _say(f"the {forwarded[0]} stopped the job before its loop (nothing saved; "
+                     f"exit {rc})")
+            else:
+                _say(f"process p{index} {how}; killing the others")
             for c in children:
                 _kill(c)
             return _exit_code(rc)

@@ -127,6 +127,17 @@ def test_an_integer_field_takes_a_whole_number_written_as_a_float(text, want, tm
     assert type(from_flag.decomp.steps) is int
 
 
+@pytest.mark.parametrize("cmd", ["pretrain", "tokenize"])
+def test_one_process_commands_refuse_a_multi_process_launch(cmd, capsys, tmp_path,
+                                                            monkeypatch):
+    """`launch-local -- pretrain` ran N pretrainings into the same files (one crashed on
+    the other's renamed log, leaving a stale resume state): refused, naming why."""
+    monkeypatch.setenv("PPGD_NUM_PROCESSES", "2")
+    rc, _, err = _run([cmd, f"--output={tmp_path / 'x'}"], capsys)
+    assert rc == 2 and f"{cmd} runs as one process" in err and "without launch-local" in err
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_repeated_flag_takes_its_last_value_config_included(tmp_path):
     """absl keeps a repeated flag's last value; --config (read before absl parses) took
     its first, so `--config=a --config=b` ran a's config with b-meant overrides."""

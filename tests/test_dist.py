@@ -177,7 +177,8 @@ def test_a_process_that_ends_early_takes_the_others_with_it_naming_why(tmp_path)
     """SIGTERM to process 1 alone while the run is still building its target (before the
     loop, which would save and stop cleanly): it exits 143 saying so, and process 0, which
     would wait in its next collective for a process that is gone (300 s, then JAX's abort),
-    exits at once naming process 1's reason. No launcher: each host of a pod is alone."""
+    exits at once naming process 1's reason, with its status: stopped, not failed (it
+    exited 1). No launcher: each host of a pod is alone."""
     def terminate_p1_before_the_loop(procs):
         deadline = time.monotonic() + TIMEOUT_S
         while not any("mesh {" in line for line in procs[1].lines):
@@ -186,7 +187,7 @@ def test_a_process_that_ends_early_takes_the_others_with_it_naming_why(tmp_path)
         procs[1].p.send_signal(signal.SIGTERM)
 
     codes, outs = _two_processes(tmp_path, [[], []], terminate_p1_before_the_loop)
-    assert codes == [1, 143], [out[-3000:] for out in outs]
+    assert codes == [143, 143], [out[-3000:] for out in outs]
     assert "ppgd-tpu: terminated (SIGTERM); nothing partial is read as complete" in outs[1]
     assert ("[p0/2] stopping: process 1: ppgd-tpu: terminated (SIGTERM)" in outs[0]
             and "Traceback" not in outs[0]), outs[0][-3000:]

@@ -109,6 +109,33 @@ def test_C5_signals_to_the_launcher_reach_all_children_which_stop_at_one_step():
     assert all(r["signals"] == ["SIGTERM", "SIGINT"] for r in results)
 
 
+def test_a_signal_before_the_loop_ends_the_job_as_stopped_not_as_a_failure(tmp_path):
+    """Ctrl-C to the launcher while the children build the run (before the loop, which
+    would save): every child exits 130, and so does the launcher, saying the signal
+    stopped the job (it exited 1 naming p1 as a failure: p0 told p1 to exit 1)."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2", "--", "train",
+         f"--run_dir={tmp_path / 'run'}", "--decomp.steps=100", "--log.progress=false"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if "mesh {" in line:  # (logged before the target is built)
+                p.send_signal(signal.SIGINT)
+                break
+        lines.extend(p.stdout)
+        assert p.wait(timeout=TIMEOUT_S) == 130, "".join(lines)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    out = "".join(lines)
+    assert "the SIGINT stopped the job before its loop (nothing saved; exit 130)" in out, out
+    assert "killing the others" not in out and "exited with code 1" not in out
+
+
 def _children_of(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
