@@ -14,6 +14,7 @@ import time
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from safetensors import numpy as safetensors_numpy
@@ -42,6 +43,21 @@ DIVERGED = ("the decomposition diverged. Runs are deterministic, so resuming wou
 
 def check_finite(step: int, values: dict, prefixes: tuple[str, ...]) -> None:
     metrics_lib.check_finite(step, values, prefixes, DIVERGED)
+
+
+@jax.jit
+def _decomposition_finite(state: TrainState) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all()
+                              for x in jax.tree.leaves((state.components, state.ci_fn))]))
+
+
+def check_decomposition_finite(step: int, state: TrainState) -> None:
+    """Before a save: a loss logged finite came before its step's update, so without this a
+    checkpoint between log steps could commit nan components for a resume (or a
+    load_decomposition) to read."""
+    if not bool(_decomposition_finite(state)):
+        raise metrics_lib.Diverged(f"step {step}: the components or the CI fn have "
+                                   f"non-finite values; {DIVERGED}")
 
 
 def batch_shape(cfg: Config, target) -> tuple[int, ...]:
@@ -247,6 +263,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     t_last, s_last = time.perf_counter(), start
 
     def save(step, state):
+        check_decomposition_finite(step, state)
         writer.flush()  # on gs:// every metrics line up to a committed step is stored first
         saver.save(step, resume.checkpoint_leaves(state, replay),
                    meta={"log_window": metrics_lib.window_carry(window)})
@@ -296,6 +313,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
         raise
     progress.close()
     writer.close()
+    check_decomposition_finite(steps, state)
     saver.save(steps, resume.checkpoint_leaves(state, replay))
     saver.wait()
     return _finish(cfg, rd, trainer, state)

@@ -338,13 +338,15 @@ def test_resid_mlp_config_trains_its_target_and_reports_its_site_metrics(tmp_pat
 @pytest.mark.parametrize("cadence,needle", [
     (["--log.every=10", "--eval.every=0"], "step 10: train/loss/faithfulness = nan"),
     (["--log.every=20", "--eval.every=10"], "step 10: eval/faithfulness = nan"),
+    (["--log.every=20", "--eval.every=0", "--checkpoint.every=10"],  # it committed nan
+     "step 10: the components or the CI fn have non-finite values"),
 ])
 def test_a_diverged_run_stops_with_status_1_at_the_step_it_saw_it(tmp_path, capsys, cadence,
                                                                      needle):
     """An lr that blows the components up: the first log (or eval) step that sees a
-    non-finite value stops the run with status 1 naming the step and the values; what was
-    written stays (metrics.jsonl with that line, strict JSON: the non-finite values as null),
-    nothing is marked complete."""
+    non-finite value, or save that would store one, stops the run with status 1 naming the
+    step and the values; what was written stays (metrics.jsonl with that line, strict JSON:
+    the non-finite values as null), nothing is marked complete or saved after it."""
     run_dir = tmp_path / "nan"
     rc, _, err = _run(["train", f"--run_dir={run_dir}", *TINY, *cadence, "--decomp.steps=40",
                        "--decomp.lr_components.value=1e30", "--eval.figures=false"], capsys)
