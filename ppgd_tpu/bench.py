@@ -452,6 +452,8 @@ def bench_run(args: list[str]) -> int:
                 return rc
         rc, wall = train(run_dir)
         if rc != 0:
+            if not extra["run_dir"]:  # our temp dir, with nothing worth a look
+                shutil.rmtree(run_dir, ignore_errors=True)
             return rc
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

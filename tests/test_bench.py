@@ -7,6 +7,7 @@ import json
 import math
 import os
 import resource
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -206,6 +207,14 @@ def test_bench_run_times_a_whole_run_and_refuses_an_unknown_cache_mode(capsys, t
     assert (tmp_path / "r" / "summary.json").exists() and "eval/recon/ci_masked" in report
     assert cli.run(["bench", "run", *TINY, "--compile_cache=tepid"]) == 2
     assert "--compile_cache='tepid': use one of cold, warm, off" in capsys.readouterr().err
+
+
+def test_a_failed_bench_run_leaves_no_temp_dir(capsys, tmp_path, monkeypatch):
+    """Its run's refusal is shown; the temp run dir it made (empty) is gone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cli.run(["bench", "run", *TINY, f"--target.path={tmp_path / 'nope'}"]) == 2
+    assert "target.path: no such file" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("case", ["run", "ckpt"])

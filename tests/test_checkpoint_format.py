@@ -333,6 +333,10 @@ def test_cli_ls_digest_and_bad_paths(run_dir, capsys):
     for bad in [run_dir + "/nothing-here", "s3://bucket/run", "gs:///run"]:
         assert cli.main(["ls", bad]) == 2
         assert "ppgd-tpu ckpt ls:" in capsys.readouterr().err
+    fresh = storage.join(run_dir, "fresh")  # a run that has not saved yet
+    storage.write_bytes(storage.join(fresh, "config.yaml"), b"name: x\n")
+    assert cli.main(["ls", fresh]) == 2
+    assert f"{fresh} is a run directory with no checkpoint yet" in capsys.readouterr().err
     for inside in (mf.ckpts_dir(run_dir), mf.step_dir(run_dir, 3)):  # one level too deep
         assert cli.main(["ls", inside]) == 2
         assert f"give its run directory, {storage.normalize(run_dir)}" in capsys.readouterr().err

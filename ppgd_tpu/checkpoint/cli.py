@@ -33,6 +33,8 @@ def _not_a_run_dir(run_dir: str, given: str) -> str:
         return f"{given} is a checkpoint directory: give its run directory, {head}"
     if posixpath.basename(head) == "ckpts" and name.isdigit():
         return f"{given} is one step's checkpoint: give its run directory, {posixpath.dirname(head)}"
+    if storage.exists(storage.join(run_dir, "config.yaml")):
+        return f"{given} is a run directory with no checkpoint yet"
     return f"is {given!r} a run directory?"
 
 
