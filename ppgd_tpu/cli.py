@@ -190,6 +190,11 @@ def target_output(cfg, value: str) -> str:
         storage.check_creatable(out, directory=False)
     except ValueError as e:
         raise UsageError(f"--output: {e}") from None
+    from ppgd_tpu.targets import build
+
+    if storage.exists(out) and build.recorded(build.header(out) or b"", "target") is None:
+        raise UsageError(f"--output: {out} exists and is not a target `pretrain` wrote (its "
+                         "weights would replace it): give another path, or move it away")
     return out
 
 

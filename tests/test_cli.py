@@ -598,6 +598,8 @@ def test_unwritable_paths_are_refused_before_any_compute(tmp_path, capsys, monke
             (["pretrain", f"--output={tmp_path / 'new'}/"], f"--output: {tmp_path / 'new'}/ ends "
              "with '/', so it names a directory"),
             (["pretrain", "--store=s"], "--store: only an LM target trains on a token store"),
+            (["pretrain", f"--output={afile}"],  # someone's file: it was overwritten
+             f"--output: {afile} exists and is not a target `pretrain` wrote"),
             (["train", f"--config={tmp_path}"], f"--config: cannot read '{tmp_path}'")]:
         rc, _, err = _run([*argv, "--target.seed=7", *TINY], capsys)
         assert rc == 2 and needle in err, (argv, err)

@@ -142,14 +142,22 @@ def recorded(head: bytes, name: str) -> dict | None:
     return recorded if isinstance(recorded, dict) else None
 
 
+def header(path: str) -> bytes | None:
+    """The safetensors header of the file at `path` (read alone: weights can be large);
+    None if it cannot be read as one."""
+    try:
+        size = int.from_bytes(storage.read_range(path, 0, 8), "little")
+        return storage.read_range(path, 0, 8 + size)
+    except (OSError, ValueError):
+        return None
+
+
 def check_tokenizer(path: str, tokenizer_id: str | None, store: str) -> None:
     """Refuses a token store whose ids mean other tokens than the ones the LM at `path` was
     pretrained on (same vocabulary size or not); passes when either side does not know its
     tokenizer (pre-tokenized input, weights from elsewhere). Reads the file's header only."""
-    try:
-        size = int.from_bytes(storage.read_range(path, 0, 8), "little")
-        head = storage.read_range(path, 0, 8 + size)
-    except (OSError, ValueError):
+    head = header(path)
+    if head is None:
         return  # load() names what is wrong with the file
     data = recorded(head, "data") or {}
     pretrained = data.get("tokenizer_id")
