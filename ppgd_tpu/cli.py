@@ -378,7 +378,9 @@ AGAIN = "nothing partial is read as complete: re-run the same command to start o
 def _end(code: int, message: str) -> None:
     """Exits with `code` after `message`; in a multi-process job first tells the other
     processes (dist.report_failure), and skips the exit barrier they would never reach."""
-    print(message, file=sys.stderr, flush=True)
+    # one write, line and newline: the failure watcher's line (dist) cannot land inside it
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
     if _multi_process():  # a traceback's last line says what failed; a refusal is all said
         notice = message if code == 2 else message.splitlines()[-1]
         # the others end with this code: 2 as refused, 130/143 as stopped, 1 as failed
