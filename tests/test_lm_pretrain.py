@@ -160,3 +160,40 @@ def test_a_resume_state_edited_by_hand_is_refused_naming_it(store, tmp_path, cap
     err = capsys.readouterr().err
     assert rc == 2 and "is the saved state of an interrupted pretraining, not a target" in err
     assert len(err) < 400 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("stop_in", ["epoch", "check_finite"])
+def test_a_stop_while_a_step_is_logged_resumes_to_the_straight_runs_log(store, tmp_path,
+                                                                        monkeypatch, stop_in):
+    """A SIGTERM's raise lands anywhere in the loop (the handler raises): while step 20's
+    log line is being made (its `train.epoch`), or just after it is written (its finiteness
+    check). Either way the state saved and its log agree (the raise before the line used
+    to save step 20's state without its line), so the resumed run's log and weights are a
+    straight run's."""
+    from safetensors import numpy as safetensors_numpy
+
+    from ppgd_tpu import metrics, signals
+    from ppgd_tpu.data.schedule import BatchSchedule
+
+    straight = str(tmp_path / "straight.safetensors")
+    assert lm_pretrain.main([*TINY, "--store", store, "--output", straight]) == 0
+    out = str(tmp_path / "lm.safetensors")
+    owner = BatchSchedule if stop_in == "epoch" else metrics
+    real = getattr(owner, stop_in)
+
+    def stop_at_step_20(*args):
+        value = real(*args)
+        if args[-1] == 19 if stop_in == "epoch" else args[0] == 20:
+            raise signals.Terminated
+        return value
+
+    monkeypatch.setattr(owner, stop_in, stop_at_step_20)
+    with pytest.raises(signals.Terminated):
+        lm_pretrain.main([*TINY, "--store", store, "--output", out])
+    monkeypatch.undo()
+    assert os.path.exists(lm_pretrain.resume_path(out))
+    assert lm_pretrain.main([*TINY, "--store", store, "--output", out]) == 0
+    assert open(lm_pretrain.metrics_path(out)).read() == \
+        open(lm_pretrain.metrics_path(straight)).read()
+    got, want = safetensors_numpy.load_file(out), safetensors_numpy.load_file(straight)
+    assert all(np.array_equal(got[k], want[k]) for k in want)

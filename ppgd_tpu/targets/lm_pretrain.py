@@ -227,11 +227,14 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
                                          diverged)
 
             def save(done):
+                """The state after step `done` with the log up to it: lines of a later step
+                (a stop's raise after its lines, before its state) are left out."""
                 if not all_finite(target):  # a finite loss came before this step's update
                     raise metrics_lib.Diverged(f"step {done}: the weights have non-finite "
                                                f"values; {diverged}")
-                _save_state(state_path, done, target, opt_state, "".join(lines), cfg,
-                            store.store_id)
+                kept = "".join(ln for text in lines for ln in text.splitlines(keepends=True)
+                               if json.loads(ln)["step"] <= done)
+                _save_state(state_path, done, target, opt_state, kept, cfg, store.store_id)
 
             log.write(log_text)
             if start == 0:
@@ -242,22 +245,25 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
                     signals.raise_if_seen()
                     rows = read(train.rows(s))
                     new_target, new_opt_state, loss, gnorm = step(target, opt_state, rows)
-                    target, opt_state, done = new_target, new_opt_state, s + 1  # one store
-                    if done % pc.log_every == 0 or done == pc.steps:
-                        summary = {"step": done, "train/loss": float(loss),
+                    # Step n's lines are written before its state is kept: a stop's raise
+                    # lands before the state moves on (save leaves them out) or after.
+                    n = s + 1
+                    if n % pc.log_every == 0 or n == pc.steps:
+                        summary = {"step": n, "train/loss": float(loss),
                                    "train/grad_norm": float(gnorm),
                                    "train/epoch": train.epoch(s)}
                         write(summary)
                         check(summary)
-                        bar.update(pc.log_every if done % pc.log_every == 0
-                                   else done % pc.log_every, summary["train/loss"])
-                        logging.info("pretrain step %d: loss %.4f", done, summary["train/loss"])
-                    if done % pc.eval_every == 0 or done == pc.steps:
-                        ev = {"step": done, "eval/loss": evaluate(target)}
+                        bar.update(pc.log_every if n % pc.log_every == 0
+                                   else n % pc.log_every, summary["train/loss"])
+                        logging.info("pretrain step %d: loss %.4f", n, summary["train/loss"])
+                    if n % pc.eval_every == 0 or n == pc.steps:
+                        ev = {"step": n, "eval/loss": evaluate(new_target)}
                         write(ev)
                         check(ev)
                         summary.update(ev)
-                        logging.info("pretrain step %d: eval loss %.4f", done, ev["eval/loss"])
+                        logging.info("pretrain step %d: eval loss %.4f", n, ev["eval/loss"])
+                    target, opt_state, done = new_target, new_opt_state, n  # one store
                     if pc.checkpoint_every and done % pc.checkpoint_every == 0 \
                             and done != pc.steps:
                         save(done)
