@@ -208,15 +208,9 @@ def cmd_train(args: list[str]) -> int:
                                                       "runs/<name>-<timestamp>)")})
     dist.initialize()  # before any JAX computation; single-process unless PPGD_* / TPU say so
     from ppgd_tpu import engine
-    from ppgd_tpu.metrics import Diverged
     from ppgd_tpu.workspace import default_run_dir
 
-    run_dir = dist.broadcast_from_main(extra["run_dir"] or default_run_dir(cfg))
-    try:
-        engine.train(cfg, run_dir)
-    except Diverged as e:
-        print(f"ppgd-tpu train: error: {run_dir}: {e}", file=sys.stderr)
-        return 1
+    engine.train(cfg, dist.broadcast_from_main(extra["run_dir"] or default_run_dir(cfg)))
     return 0
 
 
@@ -228,13 +222,7 @@ def cmd_pretrain(args: list[str]) -> int:
     if kind == "llama_simple_mlp":
         from ppgd_tpu.targets import lm_pretrain
 
-        from ppgd_tpu.metrics import Diverged
-
-        try:
-            return lm_pretrain.main(args)  # an LM trains on a token store (--store)
-        except Diverged as e:
-            print(f"ppgd-tpu pretrain: error: {e}", file=sys.stderr)
-            return 1
+        return lm_pretrain.main(args)  # an LM trains on a token store (--store)
     if _split_value(args, "store") is not None:
         raise UsageError(f"--store: only an LM target trains on a token store; this config's "
                          f"target is {kind!r}, which trains without one. Give an "
@@ -363,6 +351,13 @@ def run(argv: list[str]) -> int:
         raise UsageError(f"unknown command {cmd!r}{hint}\n\n{USAGE}")
     except ConfigError as e:
         return _refused(cmd, e)
+    except RuntimeError as e:
+        from ppgd_tpu.metrics import Diverged
+
+        if isinstance(e, Diverged):  # every process saw the same values: each ends here
+            print(f"ppgd-tpu {cmd}: error: {e}", file=sys.stderr)
+            return 1
+        raise
     except ValueError as e:
         from ppgd_tpu.checkpoint import DamagedCheckpoint, NewerCheckpoint
         from ppgd_tpu.targets.build import TargetError

@@ -222,7 +222,10 @@ def train(cfg: Config, run_dir: str) -> dict:
             keep_every=cfg.checkpoint.keep_every or None, config_hash=config_hash(cfg),
             barrier=dist.barrier if jax.process_count() > 1 else None)
         with dist.StopSignal() as stop, saver:
-            summary = _run(cfg, rd, trainer, saver, stop)
+            try:
+                summary = _run(cfg, rd, trainer, saver, stop)
+            except metrics_lib.Diverged as e:  # said with the run it ended
+                raise metrics_lib.Diverged(f"{rd.path}: {e}") from None
             signals.finished()  # before the StopSignal hands the signals back
             return summary
 

@@ -351,7 +351,7 @@ def test_a_diverged_run_stops_with_status_1_at_the_step_it_saw_it(tmp_path, caps
     rc, _, err = _run(["train", f"--run_dir={run_dir}", *TINY, *cadence, "--decomp.steps=40",
                        "--decomp.lr_components.value=1e30", "--eval.figures=false"], capsys)
     assert rc == 1
-    assert needle in err and "diverged" in err
+    assert f"ppgd-tpu train: error: {run_dir}: {needle}" in err and "diverged" in err
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(ln, parse_constant=pytest.fail) for ln in open(metrics)
             ] if metrics.exists() else []
