@@ -13,18 +13,15 @@ locked.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
-import socket
 import time
 
 import yaml
 from absl import logging
 
 from ppgd_tpu import config as config_lib
-from ppgd_tpu import dist, storage
+from ppgd_tpu import dist, lockfile, storage
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu.checkpoint import manifest
 from ppgd_tpu.config import Config, ConfigError
@@ -47,44 +44,21 @@ def default_run_dir(cfg: Config) -> str:
     return os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 200, 0).decode(errors="replace").strip()
-    except OSError:
-        text = ""
-    return text or "its pid not yet recorded"
-
-
 def _acquire(path: str) -> int | None:
-    """Takes `path`/.lock (exclusive, non-blocking) -> its open fd (closing it releases the
-    lock); None on a filesystem without locks."""
+    """Takes `path`/.lock (lockfile.acquire), refusing while another command holds it."""
     lock_file = os.path.join(path, LOCK)
     try:
         os.makedirs(path, exist_ok=True)
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return lockfile.acquire(lock_file)
+    except lockfile.Held as e:
+        raise ConfigError(
+            f"--run_dir: {path} is in use by another ppgd-tpu command ({e.holder}, per "
+            f"{lock_file}); two commands in one run dir would interleave its metrics and "
+            "checkpoints. Wait for it to end, or stop it (SIGTERM saves a checkpoint) and "
+            "re-run this command to resume, or use a new --run_dir") from None
     except OSError as e:  # e.g. a .lock another user made, read-only to this one
         raise ConfigError(f"--run_dir: cannot open {lock_file} to lock the run dir "
                           f"({e.strerror or e}); this user must be able to write it") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = _holder(fd)
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise ConfigError(
-                f"--run_dir: {path} is in use by another ppgd-tpu command ({holder}, per "
-                f"{lock_file}); two commands in one run dir would interleave its metrics and "
-                "checkpoints. Wait for it to end, or stop it (SIGTERM saves a checkpoint) and "
-                "re-run this command to resume, or use a new --run_dir") from None
-        logging.warning("%s: cannot lock (%s); this filesystem has no file locks, so another "
-                        "command on the same run dir would not be detected", lock_file,
-                        os.strerror(e.errno or 0))
-        return None
-    me = f"pid {os.getpid()} on host {socket.gethostname()}"
-    if _holder(fd) != me:  # the same process taking it again changes nothing
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, me.encode() + b"\n", 0)
-    return fd
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

@@ -149,7 +149,8 @@ def test_a_resume_state_edited_by_hand_is_refused_naming_it(store, tmp_path, cap
         edit(edited)
         open(path, "wb").write(safetensors_numpy.save(edited, metadata=metadata))
         capsys.readouterr()
-        assert cli.run(args) == 2
+        # (2 steps: were it not refused, it would end soon, not train for ever)
+        assert cli.run([*args, "--target.llama_simple_mlp.pretrain.steps=2"]) == 2
         err = capsys.readouterr().err
         assert f"--output: {path} (the resume state of an interrupted pretrain) is damaged" in err
         assert needle in err and "delete it to start over" in err, err
@@ -197,3 +198,38 @@ def test_a_stop_while_a_step_is_logged_resumes_to_the_straight_runs_log(store, t
         open(lm_pretrain.metrics_path(straight)).read()
     got, want = safetensors_numpy.load_file(out), safetensors_numpy.load_file(straight)
     assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_a_second_pretrain_on_an_output_being_written_is_refused(store, tmp_path, capsys):
+    """Two pretrainings of one --output would interleave its log and resume state: while
+    one runs (a real process), another exits 2 naming the output and the holder's pid, and
+    the holder is not disturbed; once the holder has stopped, the lock is free at once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ppgd_tpu import cli, lockfile
+
+    out = str(tmp_path / "lm.safetensors")
+    args = ["pretrain", *TINY, "--target.llama_simple_mlp.pretrain.steps=1000000",
+            "--store", store, "--output", out]
+    holder = subprocess.Popen([sys.executable, "-m", "ppgd_tpu.cli", *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lock = lm_pretrain.lock_path(out)
+    try:
+        deadline = time.time() + 300
+        while not (os.path.exists(lock) and f"pid {holder.pid} " in open(lock).read()):
+            assert holder.poll() is None, holder.communicate()[0][-3000:]
+            assert time.time() < deadline, "the first pretrain never took its lock"
+            time.sleep(0.1)
+        # (2 steps: were it not refused, it would end soon, not train for ever)
+        assert cli.run([*args, "--target.llama_simple_mlp.pretrain.steps=2"]) == 2
+        err = capsys.readouterr().err
+        assert (f"ppgd-tpu pretrain: error: --output: {out} is being written by another "
+                f"`ppgd-tpu pretrain` (pid {holder.pid} on host") in err, err
+        assert holder.poll() is None
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        holder.communicate(timeout=300)
+    os.close(lockfile.acquire(lock))  # not stale: taken at once

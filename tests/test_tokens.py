@@ -267,3 +267,33 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys):
     assert "--tokenizer" in capsys.readouterr().err
     assert main(["--input", glob_, "--output", out, "--seq_len", "8", "--vocab_size", "9"]) == 2
     assert "parquet input only" in capsys.readouterr().err
+
+
+def test_a_tokenize_into_a_store_another_one_is_writing_is_refused(tmp_path, capsys):
+    """Two tokenize runs on one --output would write the same array dir: while another
+    process holds the store's lock, tokenize exits 2 naming the output and that process,
+    and writes nothing; the lock released, the same command writes the store."""
+    import subprocess
+    import sys
+
+    from ppgd_tpu.data.tokens import LOCK_FILE
+
+    (tmp_path / "a.txt").write_text("hello world " * 50)
+    out = tmp_path / "store"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from ppgd_tpu import lockfile; "
+         f"lockfile.acquire({str(out / LOCK_FILE)!r}); print('held', flush=True); "
+         "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    args = ["--input", str(tmp_path / "a.txt"), "--output", str(out), "--seq_len", "8"]
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert (f"--output: {out} is being written by another `ppgd-tpu tokenize` (pid "
+                f"{holder.pid} on host") in err, err
+        assert sorted(os.listdir(out)) == [LOCK_FILE]
+    finally:
+        holder.communicate("")
+    assert main(args) == 0
+    assert TokenStore.open(str(out)).n_rows == (600 + 1) // 8  # the bytes and an EOS

@@ -28,8 +28,9 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from ppgd_tpu import signals, storage
-from ppgd_tpu.data.tokens import StoreWriteError, TokenStoreWriter, foreign_files, fs_for
+from ppgd_tpu import lockfile, signals, storage
+from ppgd_tpu.data.tokens import (LOCK_FILE, StoreWriteError, TokenStoreWriter, foreign_files,
+                                  fs_for)
 
 BYTE_EOS = 256
 # 256 bytes + EOS, padded to a multiple of 128 (the TPU lane width) so embedding and
@@ -232,41 +233,48 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
             raise TokenizeError("--vocab_size and --eos_id apply to parquet input only; "
                                 "text input takes them from --tokenizer")
         documents = functools.partial(_text_documents, files, tok)
-    try:
-        writer = TokenStoreWriter(output, seq_len=seq_len, vocab_size=vocab, eos_id=eos,
-                                  info={"tokenizer": tok_name, "tokenizer_id": tok_id,
-                                        "source": list(inputs),
-                                        "n_files": len(files)})
-    except ValueError as e:
-        raise TokenizeError(str(e)) from e
+    def in_use(holder):
+        return TokenizeError(
+            f"--output: {output} is being written by another `ppgd-tpu tokenize` ({holder}, "
+            f"per {storage.join(output, LOCK_FILE)}); wait for it to end, or give another "
+            "--output")
 
-    bar = tqdm(total=len(files), unit="file", disable=not sys.stderr.isatty())
-    for ids in documents(bar):
-        signals.raise_if_seen()
-        room = max_tokens - writer.n_tokens if max_tokens is not None else ids.size + 1
-        if room <= 0:
-            break
+    with lockfile.holding(storage.join(output, LOCK_FILE), in_use):
         try:
-            writer.add_document(ids[:room], ended=ids.size < room)
+            writer = TokenStoreWriter(output, seq_len=seq_len, vocab_size=vocab, eos_id=eos,
+                                      info={"tokenizer": tok_name, "tokenizer_id": tok_id,
+                                            "source": list(inputs),
+                                            "n_files": len(files)})
         except ValueError as e:
             raise TokenizeError(str(e)) from e
+
+        bar = tqdm(total=len(files), unit="file", disable=not sys.stderr.isatty())
+        for ids in documents(bar):
+            signals.raise_if_seen()
+            room = max_tokens - writer.n_tokens if max_tokens is not None else ids.size + 1
+            if room <= 0:
+                break
+            try:
+                writer.add_document(ids[:room], ended=ids.size < room)
+            except ValueError as e:
+                raise TokenizeError(str(e)) from e
+            except StoreWriteError as e:
+                raise TokenizeError(f"--output: {e}") from None
+            bar.set_postfix(tokens=writer.n_tokens, rows=writer.n_rows, refresh=False)
+            logging.log_every_n_seconds(logging.INFO, "tokenize: %d documents, %d tokens, %d "
+                                        "rows", 30, writer.n_documents, writer.n_tokens,
+                                        writer.n_rows)
+        bar.close()
+        if writer.n_documents == 0:
+            raise TokenizeError(f"--input {' '.join(inputs)}: the {len(files)} files hold no "
+                                f"tokens")
+        try:
+            meta = writer.finish()
+        except ValueError as e:
+            more = f" or raise --max_tokens ({max_tokens})" if max_tokens is not None else ""
+            raise TokenizeError(f"{e}{more}") from e
         except StoreWriteError as e:
             raise TokenizeError(f"--output: {e}") from None
-        bar.set_postfix(tokens=writer.n_tokens, rows=writer.n_rows, refresh=False)
-        logging.log_every_n_seconds(logging.INFO, "tokenize: %d documents, %d tokens, %d "
-                                    "rows", 30, writer.n_documents, writer.n_tokens,
-                                    writer.n_rows)
-    bar.close()
-    if writer.n_documents == 0:
-        raise TokenizeError(f"--input {' '.join(inputs)}: the {len(files)} files hold no "
-                            f"tokens")
-    try:
-        meta = writer.finish()
-    except ValueError as e:
-        more = f" or raise --max_tokens ({max_tokens})" if max_tokens is not None else ""
-        raise TokenizeError(f"{e}{more}") from e
-    except StoreWriteError as e:
-        raise TokenizeError(f"--output: {e}") from None
     logging.info("tokenize: wrote %d rows x %d (%s) to %s from %d documents; %d tail tokens "
                  "dropped", meta["n_rows"], seq_len, meta["dtype"], output,
                  meta["n_documents"], meta["dropped_tokens"])

@@ -46,6 +46,7 @@ FORMAT_VERSION = 1
 ARRAY_DIRS = ("tokens", "tokens-b")  # a rewrite writes into the one not in use
 META_FILE = "meta.json"
 MARKER_FILE = "COMPLETE"
+LOCK_FILE = ".lock"  # held by the tokenize writing the store (local stores; lockfile)
 # A shard (one storage object) holds about this many bytes of rows; the writer buffers one.
 SHARD_BYTES = 32 * 2**20
 # ... and at most this many rows: its index has 16 bytes per row slot, full or not, so short
@@ -298,7 +299,7 @@ def foreign_files(path: str) -> list[str]:
     replaces the store at its path, so it is refused anything else (a user's directory)."""
     names = storage.list_entries(path)
     arrays = [d + "/" for d in ARRAY_DIRS]
-    foreign = [n for n in names if n not in (*arrays, META_FILE, MARKER_FILE)]
+    foreign = [n for n in names if n not in (*arrays, META_FILE, MARKER_FILE, LOCK_FILE)]
     if META_FILE in names:
         try:
             ours = json.loads(storage.read_bytes(_join(path, META_FILE))).get("format") == FORMAT

@@ -35,7 +35,7 @@ from absl import logging
 from safetensors import numpy as safetensors_numpy
 
 from ppgd_tpu import metrics as metrics_lib
-from ppgd_tpu import signals, storage
+from ppgd_tpu import lockfile, signals, storage
 from ppgd_tpu.config import ConfigError, TargetConfig, leaves
 from ppgd_tpu.data.schedule import train_eval_schedules
 from ppgd_tpu.data.tokens import DamagedStoreError, IncompleteStoreError, TokenStore
@@ -61,6 +61,11 @@ def partial_metrics_path(output: str) -> str:
 def resume_path(output: str) -> str:
     """Where an interrupted pretraining keeps its state (next to the output)."""
     return os.path.splitext(output)[0] + ".resume.safetensors"
+
+
+def lock_path(output: str) -> str:
+    """Held while a pretraining writes `output` and the files beside it (lockfile)."""
+    return os.path.splitext(output)[0] + ".lock"
 
 
 CADENCES = ("log_every", "eval_every", "checkpoint_every")  # a resume may change these
@@ -303,12 +308,20 @@ def main(argv: list[str]) -> int:
         raise UsageError("--store: required for an LM target (a token store made by "
                          "`ppgd-tpu tokenize`)")
     out = target_output(cfg, extra["output"])
-    for side in (metrics_path(out), resume_path(out)):  # written next to it, checked alike
+    for side in (metrics_path(out), resume_path(out), lock_path(out)):  # beside it: checked alike
         try:
             storage.check_creatable(side, directory=False)
         except ValueError as e:
             raise UsageError(f"--output: {out} needs {side} beside it, but {e}") from None
-    summary = pretrain_lm(cfg.target, extra["store"], out, progress=cfg.log.progress)
+    def in_use(holder):
+        return UsageError(
+            f"--output: {out} is being written by another `ppgd-tpu pretrain` ({holder}, per "
+            f"{lock_path(out)}); two would interleave its log and resume state. Wait for it "
+            "to end, or stop it (SIGTERM saves its resume state) and re-run this command to "
+            "resume, or give another --output")
+
+    with lockfile.holding(lock_path(out), in_use):
+        summary = pretrain_lm(cfg.target, extra["store"], out, progress=cfg.log.progress)
     print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
     print(f"saved the {cfg.target.kind} target to {out} (metrics: {metrics_path(out)}); use it "
           f"with --target.path={out}")
