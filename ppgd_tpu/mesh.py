@@ -256,8 +256,22 @@ def partition_spec(name: str, shape: tuple[int, ...], logical: tuple[str, ...], 
         n = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
         if size % n:
             raise MeshError(f"leaf {name!r}: dim {dim} ({logical[dim]}) of size {size} does not "
-                            f"divide over mesh axes {axes} ({n} shards)")
+                            f"divide over mesh axes {axes} ({n} shards); "
+                            + _fits(logical[dim], size, math.prod(shape), mesh))
     return spec
+
+
+def _fits(logical: str, size: int, elements: int, mesh) -> str:
+    """What would place a dim of `size` on this mesh's devices (the way out of a refusal)."""
+    total = math.prod(mesh.shape.values())
+    options = [str(d) for d in range(1, total + 1) if total % d == 0 and size % d == 0]
+    if logical != "embed":
+        return f"use a mesh whose shards divide {size}"
+    fsdp = (f"one of {', '.join(options)} (what divides both {size} and the {total} devices)"
+            if len(options) > 1 else f"1 (no FSDP: no other size divides both {size} and the "
+            f"{total} devices)")
+    return (f"use mesh.fsdp x mesh.dcn_fsdp = {fsdp}, or keep weights of {elements} elements "
+            f"replicated with mesh.fsdp_min_elements={elements + 1}")
 
 
 # ---------------------------------------------------------------- placements of trees

@@ -89,8 +89,18 @@ def test_a_sharded_dim_that_does_not_divide_is_refused_naming_the_leaf():
                                  "mesh.fsdp": "4"})
     p = mesh_lib.Placement(cfg, mesh_lib.abstract_mesh(cfg.mesh, 4), 1)
     assert tuple(p.spec("decomposition/components/V/linear1", (8, 20))[1]) == ("fsdp", None)
-    with pytest.raises(mesh_lib.MeshError, match="components/V/linear1'.*size 5 does not divide"):
-        p.spec("decomposition/components/V/linear1", (5, 20))
+    with pytest.raises(mesh_lib.MeshError, match="components/V/linear1'.*size 6 does not divide"
+                       ) as e:
+        p.spec("decomposition/components/V/linear1", (6, 20))
+    # the way out: an fsdp size dividing both 6 and the 4 devices, or replication
+    assert ("mesh.fsdp x mesh.dcn_fsdp = one of 1, 2 (what divides both 6 and the 4 devices), "
+            "or keep weights of 120 elements replicated with mesh.fsdp_min_elements=121"
+            ) in str(e.value)
+    for fix in ({"mesh.fsdp": "2", "mesh.data": "2"}, {"mesh.fsdp_min_elements": "121"}):
+        ok = config_lib.load(None, {"mesh.fsdp_min_elements": "0", "mesh.data": "1",
+                                    "mesh.fsdp": "4", **fix})
+        mesh_lib.Placement(ok, mesh_lib.abstract_mesh(ok.mesh, 4), 1).spec(
+            "decomposition/components/V/linear1", (6, 20))
 
 
 def test_moments_follow_their_parameter_and_small_weights_stay_replicated():
