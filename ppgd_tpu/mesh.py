@@ -65,6 +65,11 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _NAMES = {name for name, _ in RULES}
 
 
+# The way out when the batch size is fixed: a resumed run keeps it (it is the trajectory).
+RESUME_COUNT = ("(resuming, where the batch size is fixed) a device or process count that "
+                "divides it")
+
+
 class MeshError(ConfigError):
     """A mesh or placement that cannot hold this run (names the field or the leaf)."""
 
@@ -162,7 +167,7 @@ def check_batches(cfg: Config, mesh) -> None:
             raise MeshError(
                 f"{field}: {b} rows do not divide over the {n} batch shards of the mesh "
                 f"{dict(mesh.shape)} (data x fsdp); use a multiple of {n}, or other "
-                f"mesh.data / mesh.fsdp sizes")
+                f"mesh.data / mesh.fsdp sizes, or {RESUME_COUNT}")
 
 
 # ---------------------------------------------------------------- logical axes of a leaf

@@ -69,6 +69,7 @@ def test_D3_a_batch_that_does_not_divide_over_the_batch_shards_is_refused():
     with pytest.raises(mesh_lib.MeshError) as e:
         mesh_lib.check_batches(cfg, mesh_lib.abstract_mesh(cfg.mesh, 4))
     assert "data.batch_size: 6 rows do not divide over the 4 batch shards" in str(e.value)
+    assert mesh_lib.RESUME_COUNT in str(e.value)  # a resume's way out: its batch is fixed
     cfg = config_lib.load(None, {"data.batch_size": "8", "eval.batch_size": "10"})
     with pytest.raises(mesh_lib.MeshError, match="eval.batch_size: 10"):
         mesh_lib.check_batches(cfg, mesh_lib.abstract_mesh(cfg.mesh, 4))

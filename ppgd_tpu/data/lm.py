@@ -70,10 +70,11 @@ class LMData:
         n_proc = jax.process_count()
         if B % n_proc:
             raise ConfigError(f"data.batch_size: {B} does not divide over {n_proc} processes; "
-                              f"use a multiple of {n_proc}")
+                              f"use a multiple of {n_proc}, or {mesh_lib.RESUME_COUNT}")
         if n_proc > 1 and B % jax.device_count():
             raise ConfigError(f"data.batch_size: {B} does not divide over "
-                              f"{jax.device_count()} devices; use a multiple of it [D3]")
+                              f"{jax.device_count()} devices; use a multiple of it, or "
+                              f"{mesh_lib.RESUME_COUNT} [D3]")
         if B > n:
             raise ConfigError(f"data.batch_size: {B} rows exceed the {n} rows of {d.store}; "
                               "lower it, or tokenize more text")
