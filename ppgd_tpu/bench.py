@@ -1,9 +1,9 @@
 """`ppgd-tpu bench <case>`: measurements that are ratios or distributions taken in ONE run.
 
-- `step`: compile time, steady-state step time (median of individually timed steps), the
-  loop's step time (steps dispatched back to back, as the engine runs them), device-only
-  step time (the same steps inside one jitted fori_loop), host overhead share
-  = 1 - device_only / loop, steps/s and peak RSS; where the step runs its recon on the
+- `step`: compile time (and whether the persistent compile cache loaded the step), the
+  steady-state step time (median of individually timed steps), the loop's step time (steps
+  dispatched back to back, as the engine runs them), device-only step time (the same
+  steps inside one jitted fori_loop), host overhead share = 1 - device_only / loop, steps/s and peak RSS; where the step runs its recon on the
   live rows only (decomp/live_rows.py), that step vs the same step on every row, paired;
   with persistent-PGD terms, the step vs the same step without them, paired (without a
   live-rows switch also XLA's FLOP count of each, and the rate the terms' added FLOPs run
@@ -116,8 +116,9 @@ def bench_step(args: list[str]) -> int:
         return 0
 
     t0 = time.perf_counter()
-    state, m = trainer.replay.full(state, target, trainer.batch(0))
-    jax.block_until_ready((state, m))
+    with CompileCacheUse() as cache_use:
+        state, m = trainer.replay.full(state, target, trainer.batch(0))
+        jax.block_until_ready((state, m))
     compile_s = time.perf_counter() - t0
     for i in range(10):  # warm-up
         state, m = trainer.replay.full(state, target, trainer.batch(i))
@@ -157,6 +158,7 @@ def bench_step(args: list[str]) -> int:
     report = {
         **memory,
         "compile_s": compile_s,
+        "compile_cache": cache_use.summary(),
         "step_median_ms": 1e3 * float(np.median(single)),
         "step_p90_ms": 1e3 * float(np.percentile(single, 90)),
         "loop_step_ms": 1e3 * loop_s,
@@ -175,6 +177,29 @@ def bench_step(args: list[str]) -> int:
     if ops:
         _print_ops(ops)
     return 0
+
+
+class CompileCacheUse:
+    """Counts, while entered, the programs JAX's persistent compile cache was asked for and
+    how many it loaded: a compile_s from a warm cache is a load (~2x less; cache.py)."""
+
+    def __enter__(self):
+        self.counts = collections.Counter()
+        jax.monitoring.register_event_listener(self._count)
+        return self
+
+    def _count(self, event: str, **_) -> None:
+        self.counts[event] += 1
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_listener(self._count)
+
+    def summary(self) -> str:
+        asked = self.counts["/jax/compilation_cache/compile_requests_use_cache"]
+        if not asked:
+            return "off"
+        loaded = self.counts["/jax/compilation_cache/cache_hits"]
+        return f"{'warm' if loaded == asked else 'cold'}: {loaded} of {asked} programs loaded"
 
 
 _HLO_OP = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
@@ -238,7 +263,7 @@ def _xla_gflop(compiled) -> float:
 
 def _paired_rounds(trainer, steps: dict, n: int) -> tuple[dict, dict]:
     """Per-step seconds of each {name: (step fn, state)} on the same data, in rounds of 20
-    steps alternating which goes first (machine noise moves them alike); -> ({name: [s per
+    steps (all n, when fewer) alternating which goes first (machine noise moves them alike); -> ({name: [s per
     round]}, {name: GFLOP per step}). Each is compiled as the loop jits its steps, donating
     its own copy of the state (a donated state's outputs are written into its buffers: with
     the live-rows switch that is one more pass over each `bsc` adversary array)."""
@@ -248,14 +273,14 @@ def _paired_rounds(trainer, steps: dict, n: int) -> tuple[dict, dict]:
     gflop = {k: _xla_gflop(f) for k, (f, _) in steps.items()}
     states = {k: jax.block_until_ready(f(st, trainer.target, batch0)[0])
               for k, (f, st) in steps.items()}
-    times = {k: [] for k in steps}
-    for r in range(max(1, n // 20)):
+    times, size = {k: [] for k in steps}, min(20, n)
+    for r in range(n // size):
         for k in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
             st, t = states[k], time.perf_counter()
-            for i in range(20):
+            for i in range(size):
                 st = steps[k][0](st, trainer.target, trainer.batch(i))[0]
             states[k] = jax.block_until_ready(st)
-            times[k].append((time.perf_counter() - t) / 20)
+            times[k].append((time.perf_counter() - t) / size)
     return times, gflop
 
 

@@ -6,7 +6,10 @@ the ones it is computed from, and the byte counts equal to ones the test compute
 import json
 import math
 import os
+import re
 import resource
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -247,3 +250,43 @@ def test_bench_step_profile_lists_the_steps_xla_ops_by_time(capsys):
     assert {r[3] for r in rows} & {"fusion", "dot", "while", "conditional"}
     assert cli.run(["bench", "step", *TINY, "--profile=0"]) == 2
     assert "--profile" in capsys.readouterr().err
+
+
+def test_bench_step_says_whether_its_compile_was_a_compile_or_a_cache_load(tmp_path):
+    """compile_s from a warm persistent cache is a load, ~2x less: the report says which.
+    The `ppgd-tpu` entry point (a real process) enables the cache: a fresh cache is cold,
+    the same bench again finds it warm, loading every program the first one compiled."""
+    env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache")}
+    env.pop("PPGD_TPU_COMPILE_CACHE", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    said = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-m", "ppgd_tpu.cli", "bench", "step", *TINY,
+                            "--n_steps=2"], capture_output=True, text=True, env=env,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        said.append(_report(p.stdout)["compile_cache"])
+    cold, warm = (re.fullmatch(r"(cold|warm): (\d+) of (\d+) programs loaded", x) for x in said)
+    assert cold and warm, said
+    assert cold.group(1, 2) == ("cold", "0") and int(cold.group(3)) >= 1, said
+    assert warm.group(1) == "warm" and warm.group(2) == warm.group(3) == cold.group(3), said
+
+
+@pytest.mark.parametrize("n,rounds,size", [(5, 1, 5), (45, 2, 20)])
+def test_paired_rounds_time_n_steps_in_rounds_of_at_most_20(n, rounds, size):
+    """--n_steps is what the paired A/Bs run: rounds of 20 steps (of all n when fewer),
+    each timed as a whole; one call more per variant warms it up."""
+    from ppgd_tpu import bench
+
+    calls = []
+
+    def step(state, target, batch):
+        jax.debug.callback(lambda: calls.append(1))
+        return state + 1, None
+
+    trainer = Trainer(cli.parse_config_args(TINY)[0])
+    times, _ = bench._paired_rounds(trainer, {"a": (step, jnp.zeros(())),
+                                              "b": (step, jnp.zeros(()))}, n)
+    jax.effects_barrier()
+    assert [len(times["a"]), len(times["b"])] == [rounds, rounds]
+    assert len(calls) == 2 * (1 + rounds * size)
