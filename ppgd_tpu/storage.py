@@ -118,6 +118,11 @@ def check_creatable(path: str, *, directory: bool) -> None:
         raise ValueError(f"no permission to write in {probe}")
 
 
+def short_error(e: Exception, limit: int = 400) -> str:
+    """An error's first line, without the kilobyte of spec a tensorstore error appends."""
+    return str(e).split(" [tensorstore_spec=")[0].splitlines()[0][:limit] if str(e) else ""
+
+
 def join(path: str, *parts: str) -> str:
     if is_gcs(path):
         return posixpath.join(path, *parts)

@@ -237,14 +237,18 @@ def test_verify_finds_damage(run_dir, capsys):
     zarr["shape"] = [2]
     zarr["chunk_grid"]["configuration"]["chunk_shape"] = [2]
     storage.write_bytes(meta, json.dumps(zarr).encode())  # wrong shape
+    cut = storage.join(sdir, "training/adversary/count/zarr.json")
+    storage.write_bytes(cut, storage.read_bytes(cut)[:20])  # metadata cut short
 
     [report] = audit.verify(run_dir)
     assert report.damaged
     text = "\n".join(report.problems)
     assert "decomposition/components/linear1/V: missing chunk c/0/0" in text
-    for leaf in ["decomposition/components/linear1/U", "training/opt_components/mu/linear1/V", "training/step"]:
+    for leaf in ["decomposition/components/linear1/U", "training/opt_components/mu/linear1/V",
+                 "training/adversary/count", "training/step"]:
         assert f"{leaf}: unreadable" in text, leaf
-    assert "ci_fn" not in text and "adversary" not in text
+    assert "tensorstore_spec" not in text  # its kilobyte of spec says nothing to a user
+    assert "ci_fn" not in text and "adversary/key" not in text
 
     src, dst = mf.step_dir(run_dir, 1), mf.step_dir(run_dir, 2)
     for name in storage.list_files(src):  # a step directory copied by hand
@@ -283,8 +287,8 @@ MANIFEST_DAMAGE = {"garbage manifest": b"{not json", "manifest a list": b"[1, 2]
                    "manifest empty": b""}
 
 
-@pytest.mark.parametrize("damage", ["missing chunk", "truncated chunk", *MANIFEST_DAMAGE,
-                                    "a leaf without its dtype"])
+@pytest.mark.parametrize("damage", ["missing chunk", "truncated chunk", "chunk metadata cut",
+                                    *MANIFEST_DAMAGE, "a leaf without its dtype"])
 def test_restore_refuses_a_damaged_committed_step_C4(run_dir, damage, capsys):
     """restore never hands back what was not written: a missing chunk raises (tensorstore
     would fill it with zeros), as do a cut-short chunk and a manifest that is not one
@@ -298,6 +302,9 @@ def test_restore_refuses_a_damaged_committed_step_C4(run_dir, damage, capsys):
         storage.remove(chunk)
     elif damage == "truncated chunk":
         storage.write_bytes(chunk, storage.read_bytes(chunk)[:-3])
+    elif damage == "chunk metadata cut":
+        meta = storage.join(sdir, "decomposition/components/linear1/V/zarr.json")
+        storage.write_bytes(meta, storage.read_bytes(meta)[:20])
     elif damage in MANIFEST_DAMAGE:
         storage.write_bytes(manifest, MANIFEST_DAMAGE[damage])
     else:
@@ -309,10 +316,12 @@ def test_restore_refuses_a_damaged_committed_step_C4(run_dir, damage, capsys):
     with pytest.raises(mf.DamagedCheckpoint, match=is_damaged) as refused:
         restore(run_dir, 1)
     assert str(refused.value).count("delete") == 1  # the way out, once (it was wrapped twice)
+    assert "tensorstore_spec" not in str(refused.value)
     capsys.readouterr()
     assert cli.main(["digest", run_dir]) == 1  # damage found, as verify says it (was 2: usage)
     err = capsys.readouterr().err
     assert "lists all the damage" in err and "Traceback" not in err
+    assert "tensorstore_spec" not in err
     if "chunk" not in damage:
         assert f"{manifest} is damaged" in err
         assert f"delete {sdir} to resume from the checkpoint before it" in err

@@ -82,7 +82,7 @@ def digest(run_dir: str, step: int | None = None) -> Digest:
             leaves[n] = _leaf_digest(arrays_io.open_leaf(storage.join(sdir, n), n, i), i)
         except ValueError as e:  # tensorstore: a chunk missing, cut short or corrupt
             raise mf.DamagedCheckpoint(f"{storage.join(sdir, n)} is damaged: "
-                                       f"{str(e).splitlines()[0][:300]}") from None
+                                       f"{storage.short_error(e, 300)}") from None
     overall = hashlib.sha256("".join(f"{n}\t{d}\n" for n, d in leaves.items()).encode())
     return Digest(step, leaves, overall.hexdigest())
 
@@ -107,7 +107,7 @@ def _leaf_problems(sdir: str, name: str, info: arrays_io.LeafInfo, files: dict[s
         for _ in _row_blocks(t, info):
             pass
     except Exception as e:  # any failure to read back is damage; report it, keep going
-        problems.append(f"{name}: unreadable: {str(e).splitlines()[0]}")
+        problems.append(f"{name}: unreadable: {storage.short_error(e)}")
     return problems
 
 

@@ -71,11 +71,6 @@ class StoreWriteError(OSError):
 REWRITE = "re-run `ppgd-tpu tokenize` to rewrite the store"
 
 
-def _short(e: Exception) -> str:
-    """A tensorstore error without the kilobyte of spec it appends."""
-    return str(e).split(" [tensorstore_spec=")[0][:400]
-
-
 def _file_sizes(fs, root: str) -> dict[str, int]:
     """{path relative to root: size} of every file below `root` (one listing)."""
     fs.invalidate_cache()
@@ -208,7 +203,7 @@ class TokenStore:
                             open=True, read=True).result()
         except ValueError as e:
             raise DamagedStoreError(f"{_join(tokens_dir, 'zarr.json')}: the token array "
-                                    f"cannot be opened ({_short(e)}); {REWRITE}") from None
+                                    f"cannot be opened ({storage.short_error(e)}); {REWRITE}") from None
         want = (meta["n_rows"], meta["seq_len"])
         if tuple(array.shape) != want or array.dtype.numpy_dtype != np.dtype(meta["dtype"]):
             raise DamagedStoreError(
@@ -289,7 +284,7 @@ class TokenStore:
             except ValueError:
                 bad.append(_join(self.tokens_dir, self._shard_key(int(s))))
         where = ", ".join(bad) if bad else f"the shards of {self.tokens_dir}"
-        return DamagedStoreError(f"{where}: cannot read token rows ({_short(error)}); "
+        return DamagedStoreError(f"{where}: cannot read token rows ({storage.short_error(error)}); "
                                  f"{REWRITE}")
 
 
@@ -389,7 +384,7 @@ class TokenStoreWriter:
             self._rows_digest.update(rows.astype(self.dtype.newbyteorder("<")).tobytes())
         except (ValueError, OSError) as e:  # tensorstore reports I/O failures as ValueError
             raise StoreWriteError(f"cannot write the token store at {self.path}: "
-                                  f"{_short(e)}") from None
+                                  f"{storage.short_error(e)}") from None
         self.n_rows += n
         rest = self._fill - n * self.seq_len
         self._buf[:rest] = self._buf[n * self.seq_len:self._fill]
