@@ -183,7 +183,8 @@ def test_incomplete_store_refused_and_a_rewrite_keeps_the_store_until_it_ends(tm
     assert meta["n_rows"] == store.n_rows == 201 // 32
     np.testing.assert_array_equal(_all_ids(store),
                                   np.append(np.arange(200), 256)[:store.n_rows * 32])
-    assert sorted(os.listdir(out)) == ["COMPLETE", "meta.json", tokens.ARRAY_DIRS[1]]
+    assert sorted(os.listdir(out)) == [tokens.LOCK_FILE, "COMPLETE", "meta.json",
+                                       tokens.ARRAY_DIRS[1]]
     # a deleted marker is refused as well
     (tmp_path / "store" / tokens.MARKER_FILE).unlink()
     with pytest.raises(IncompleteStoreError, match="incomplete token store"):
@@ -214,7 +215,8 @@ def test_a_rewrite_that_fails_leaves_the_store_it_was_replacing(tmp_path, monkey
     os.remove(tmp_path / "z.parquet")
     assert main(["--input", str(tmp_path / "*.parquet"), *args]) == 0
     assert TokenStore.open(out).n_rows > before.n_rows
-    assert sorted(os.listdir(out)) == ["COMPLETE", "meta.json", tokens.ARRAY_DIRS[1]]
+    assert sorted(os.listdir(out)) == [tokens.LOCK_FILE, "COMPLETE", "meta.json",
+                                       tokens.ARRAY_DIRS[1]]
 
 
 def test_short_rows_make_a_small_store(tmp_path):
