@@ -3,8 +3,9 @@
 - `step`: compile time (and whether the persistent compile cache loaded the step), the
   steady-state step time (median of individually timed steps), the loop's step time (steps
   dispatched back to back, as the engine runs them), device-only step time (the same
-  steps inside one jitted fori_loop), host overhead share = 1 - device_only / loop, steps/s and peak RSS; where the step runs its recon on the
-  live rows only (decomp/live_rows.py), that step vs the same step on every row, paired;
+  steps inside one jitted fori_loop), host overhead share = 1 - device_only / loop,
+  steps/s and peak RSS; where the step runs its recon on the live rows only
+  (decomp/live_rows.py), that step vs the same step on every row, paired;
   with persistent-PGD terms, the step vs the same step without them, paired (without a
   live-rows switch also XLA's FLOP count of each, and the rate the terms' added FLOPs run
   at next to a 2048^3 matmul's).
@@ -263,8 +264,8 @@ def _xla_gflop(compiled) -> float:
 
 def _paired_rounds(trainer, steps: dict, n: int) -> tuple[dict, dict]:
     """Per-step seconds of each {name: (step fn, state)} on the same data, in rounds of 20
-    steps (all n, when fewer) alternating which goes first (machine noise moves them alike); -> ({name: [s per
-    round]}, {name: GFLOP per step}). Each is compiled as the loop jits its steps, donating
+    steps (all n, when fewer) alternating which goes first (machine noise moves them
+    alike); -> ({name: [s per round]}, {name: GFLOP per step}). Each is compiled as the loop jits its steps, donating
     its own copy of the state (a donated state's outputs are written into its buffers: with
     the live-rows switch that is one more pass over each `bsc` adversary array)."""
     batch0 = trainer.batch(0)

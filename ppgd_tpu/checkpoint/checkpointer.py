@@ -206,5 +206,5 @@ def damaged(run_dir: str, step: int, e: Exception) -> mf.DamagedCheckpoint:
     """The refusal of committed `step` of `run_dir` for `e`, with the way out."""
     return mf.DamagedCheckpoint(
         f"committed checkpoint {mf.step_dir(run_dir, step)} is damaged ({type(e).__name__}: "
-        f"{storage.short_error(e, 300)}); `ppgd-tpu ckpt verify {run_dir}` lists what is damaged; delete "
-        "that step's directory to resume from the checkpoint before it")
+        f"{storage.short_error(e, 300)}); `ppgd-tpu ckpt verify {run_dir}` lists what is "
+        "damaged; delete that step's directory to resume from the checkpoint before it")

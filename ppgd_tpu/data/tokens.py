@@ -203,7 +203,8 @@ class TokenStore:
                             open=True, read=True).result()
         except ValueError as e:
             raise DamagedStoreError(f"{_join(tokens_dir, 'zarr.json')}: the token array "
-                                    f"cannot be opened ({storage.short_error(e)}); {REWRITE}") from None
+                                    f"cannot be opened ({storage.short_error(e)}); "
+                                    f"{REWRITE}") from None
         want = (meta["n_rows"], meta["seq_len"])
         if tuple(array.shape) != want or array.dtype.numpy_dtype != np.dtype(meta["dtype"]):
             raise DamagedStoreError(
