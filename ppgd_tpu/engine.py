@@ -330,6 +330,7 @@ def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState) -> dic
     if dist.is_main():
         writer = metrics_lib.MetricsWriter(rd.path, enabled=True, tensorboard=False)
         writer.write_final(cfg.decomp.steps, summary)
+        writer.close()  # on gs:// the line is held in memory until then
         save_decomposition(rd.file(DECOMPOSITION), state, trainer.dec.sites)
         if cfg.eval.figures:
             eval_lib.figures(trainer.dec, state, target, eval_batch, rd.file(FIGURES))

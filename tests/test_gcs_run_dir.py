@@ -29,8 +29,11 @@ def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator):
                     "--checkpoint.keep_last_n=10", *ARGS]) == 0
     summary = json.loads(storage.read_bytes(f"{run}/summary.json"))
     assert summary["step"] == 8 and "eval/recon/zero" in summary
-    rows = storage.read_bytes(f"{run}/metrics.jsonl").decode().splitlines()
-    assert [json.loads(r)["step"] for r in rows][:4] == [2, 4, 6, 8]
+    rows = [json.loads(r) for r in storage.read_bytes(f"{run}/metrics.jsonl").splitlines()]
+    # the log steps, then the final eval's line, whose values summary.json repeats (it was
+    # held in memory and never written on gs://)
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 8]
+    assert rows[-1] == summary
     assert storage.exists(f"{run}/figures/ci_per_feature.png")
     comps = load_decomposition(run)
     assert comps["linear1"]["V"].shape == (5, 20)
@@ -45,6 +48,8 @@ def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator):
     assert checkpoint.latest_step(run) == 6
     assert cli.run(["train", f"--run_dir={run}", "--checkpoint.every=2", *ARGS]) == 0
     assert checkpoint.digest(run, 8).overall == want
+    again = [json.loads(r) for r in storage.read_bytes(f"{run}/metrics.jsonl").splitlines()]
+    assert [r["step"] for r in again] == [2, 4, 6, 8, 8] and again[-1] == rows[-1]
 
 
 def test_sigterm_resume_on_gcs(gcs_emulator):
