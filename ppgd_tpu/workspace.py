@@ -34,9 +34,11 @@ TARGET = "target.json"
 STORE = "data.json"
 FIGURES = "figures"
 LOCK = ".lock"
-# What a dir may hold and still be a new run dir: the lock, and what create() leaves when
-# it is killed before config.yaml lands (target.json, the temp names of atomic writes).
-_CREATION_LEFTOVERS = (LOCK, TARGET, STORE)
+LAUNCH_LOGS = "launch_logs"  # launch/tpu_pod.sh's copies of each attempt's worker logs
+# What a dir may hold and still be a new run dir: the lock, what create() leaves when it is
+# killed before config.yaml lands (target.json, the temp names of atomic writes), and the
+# logs of a pod attempt that failed before that (a mistyped flag): its re-run must start.
+_CREATION_LEFTOVERS = (LOCK, TARGET, STORE, LAUNCH_LOGS + "/")
 _TEMP_MARK = ".tmp-"  # storage.write_bytes: "<name>.tmp-<hex>", renamed when whole
 
 

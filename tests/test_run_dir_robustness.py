@@ -127,13 +127,17 @@ def test_B_a_run_dir_with_files_but_no_config_yaml_is_refused_not_started_over(
 
 
 def test_B_what_an_interrupted_start_leaves_is_still_a_new_run_dir(tmp_path):
-    """The lock, and target.json / temp files of a start killed before config.yaml landed."""
+    """The lock, target.json / temp files of a start killed before config.yaml landed, and
+    the worker logs tpu_pod.sh copies there after a pod attempt that failed before it (a
+    mistyped flag: refused, that dir could never have been started)."""
     d = tmp_path / "d"
     RunDir(str(d)).check_creatable()  # does not exist
     d.mkdir()
     RunDir(str(d)).check_creatable()  # empty
     for name in (".lock", "target.json", "config.yaml.tmp-0123abcd", "target.json.tmp-4567"):
         (d / name).write_text("x")
+    (d / "launch_logs" / "20261206-010203").mkdir(parents=True)
+    (d / "launch_logs" / "20261206-010203" / "worker-0.log").write_text("--decomp.stepz")
     RunDir(str(d)).check_creatable()
     (d / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"holds notes.txt\) but has no config.yaml"):
@@ -143,6 +147,8 @@ def test_B_what_an_interrupted_start_leaves_is_still_a_new_run_dir(tmp_path):
 def test_B_on_gcs_a_prefix_with_checkpoints_but_no_config_yaml_is_refused(gcs_emulator):
     run = gcs_emulator.run_dir()
     RunDir(run).check_creatable()  # nothing there: new
+    storage.write_bytes(f"{run}/launch_logs/20261206-010203/worker-0.log", b"a failed try")
+    RunDir(run).check_creatable()  # a pod attempt's logs only (tpu_pod.sh): still new
     storage.write_bytes(f"{run}/ckpts/4/manifest.json", b"{}")
     with pytest.raises(ConfigError, match=r"is not empty \(it holds ckpts/\) but has no "):
         RunDir(run).check_creatable()
