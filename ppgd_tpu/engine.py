@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import time
 import warnings
 
@@ -363,7 +362,7 @@ def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
     run_dir = storage.normalize(run_dir)  # a pathlib.Path, `~`
     if not storage.exists(run_dir):
         raise FileNotFoundError(f"{run_dir}: no such run directory")
-    if not storage.is_gcs(run_dir) and not os.path.isdir(run_dir):
+    if not storage.is_dir(run_dir):
         raise NotADirectoryError(f"{run_dir} is a file, not a run directory")
     rd = RunDir(run_dir)
     path = rd.file(DECOMPOSITION)

@@ -86,7 +86,8 @@ def check_creatable(path: str, *, directory: bool) -> None:
     """Raises ValueError if local `path` (a directory, or a file) could not be created or
     written: a file where a directory must be or the reverse, a file on its way, or no write
     permission where it would go. Called before compute, so a bad path costs nothing. Of a
-    gs:// path only the bucket is checked; a missing permission shows at the first write."""
+    gs:// path the bucket and what is there are checked; a missing permission shows at the
+    first write."""
     if not directory and os.fspath(path).endswith("/"):  # normalize would drop the slash
         raise ValueError(f"{path} ends with '/', so it names a directory; give a file path "
                          f"(e.g. {os.fspath(path)}<name>.safetensors)")
@@ -102,6 +103,11 @@ def check_creatable(path: str, *, directory: bool) -> None:
         except OSError as e:
             if not str(e).startswith("Forbidden"):  # it exists; writes decide
                 raise
+            return
+        if directory and fs.isfile(p):
+            raise ValueError(f"{path} exists and is not a directory (an object)")
+        if not directory and is_dir(path):
+            raise ValueError(f"{path} exists and is not a file (a prefix holding objects)")
         return
     if os.path.exists(path):
         if os.path.isdir(path) != directory:
@@ -157,6 +163,12 @@ def _fs_and_path(path: str):
 def exists(path: str) -> bool:
     fs, p = _fs_and_path(path)
     return fs.exists(p)
+
+
+def is_dir(path: str) -> bool:
+    """A local directory, or a gs:// prefix that holds objects."""
+    fs, p = _fs_and_path(path)
+    return fs.isdir(p)
 
 
 @_reports_path

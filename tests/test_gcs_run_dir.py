@@ -157,6 +157,32 @@ def test_a_bucket_that_does_not_exist_is_refused_before_compute(gcs_emulator, tm
     assert f"{flag}: bucket gs://{gcs_emulator.bucket}-missing does not exist" in err, err
 
 
+@pytest.mark.parametrize("argv,refusal", [
+    (["train", "--run_dir={obj}"], "--run_dir: {obj} exists and is not a directory (an object)"),
+    (["tokenize", "--output={obj}", "--input={text}", "--seq_len=4"],
+     "--output: {obj} exists and is not a directory (an object)"),
+    (["pretrain", "--output={prefix}"],
+     "--output: {prefix} exists and is not a file (a prefix holding objects)"),
+    (["train", "--target.path={prefix}", "--run_dir={tmp}/r"],
+     "target.path: {prefix} is a directory; expected a safetensors file"),
+], ids=["train run_dir", "tokenize output", "pretrain output", "target.path"])
+def test_an_object_where_a_prefix_belongs_or_the_reverse_is_refused(gcs_emulator, tmp_path,
+                                                                     capsys, argv, refusal):
+    """As locally: a run dir (or store) that is an object was accepted and written under
+    it as a prefix; a weights file that is a prefix was an HTTP-endpoint traceback."""
+    text = tmp_path / "in.txt"
+    text.write_text("a document\n")
+    prefix = gcs_emulator.run_dir()
+    obj = f"{prefix}/summary.json"
+    storage.write_bytes(obj, b"{}")
+    names = {"obj": obj, "prefix": prefix, "text": text, "tmp": tmp_path}
+    capsys.readouterr()
+    assert cli.run([a.format(**names) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert refusal.format(**names) in err and "Traceback" not in err, err
+    assert storage.list_entries(prefix) == ["summary.json"]  # nothing written under it
+
+
 class _Forbidding(http.server.BaseHTTPRequestHandler):
     """Cloud Storage to a caller without permission: 403 to everything, in its JSON form."""
 

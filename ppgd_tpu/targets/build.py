@@ -105,7 +105,7 @@ def load(cfg: TargetConfig, path: str, what: str = "target.path") -> Target:
     mod, sub = _kind(cfg)
     if not storage.exists(path):
         raise ConfigError(f"{what}: no such file {path!r}")
-    if not storage.is_gcs(path) and os.path.isdir(path):
+    if storage.is_dir(path):
         raise ConfigError(f"{what}: {path} is a directory; expected a safetensors file "
                           "(`ppgd-tpu pretrain --output` writes one)")
     blob = storage.read_bytes(path)
