@@ -111,9 +111,9 @@ EOF
 
 usage_run() {
   cat <<EOF
-usage: $PROG run --tpu NAME --zone ZONE [--run_dir gs://B/R] [--coordinator-port P]
+usage: $PROG run --tpu NAME --zone ZONE --run_dir gs://B/R [--coordinator-port P]
                  [--env KEY=VALUE]... [--log-dir DIR] [--dry-run] -- <ppgd-tpu train args>
-Runs 'ppgd-tpu train [--run_dir R] <args>' on ALL workers at once (never a subset: a
+Runs 'ppgd-tpu train --run_dir R <args>' on ALL workers at once (never a subset: a
 multi-host JAX job on part of a pod hangs at start-up). Before starting it checks the pod is
 READY, then on every worker stops stale ppgd-tpu train processes, kills whatever holds the
 TPU device and removes $LIBTPU_LOCKFILE; it refuses to start unless every worker passed.
@@ -121,7 +121,7 @@ Fail fast: the first worker to exit non-zero stops the others; the script names 
 with its code. Worker output goes to DIR/<stamp>/worker-I.log (DIR default
 ./tpu_pod_logs/NAME) and is copied to RUN_DIR/launch_logs/<stamp>/; each worker also keeps
 \$HOME/ppgd_tpu/train.log (see 'logs').
-  --run_dir gs://B/R      passed to train as --run_dir; must be on GCS (shared by all hosts)
+  --run_dir gs://B/R      required, passed to train as --run_dir: on GCS (shared by all hosts)
   --coordinator-port P    exported as PPGD_COORDINATOR_PORT (default $PORT)
   --env KEY=VALUE         extra environment for train (repeatable)
 EOF
@@ -244,6 +244,12 @@ check_opts() {
   done
   ((${#SSH_NET[@]} < 2)) || [[ ${SSH_NET[0]} == "${SSH_NET[1]}" ]] \
     || die "give --internal-ip or --tunnel-through-iap, not both"
+  if [[ $CMD == run && -z $RUN_DIR ]]; then
+    for a in ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"}; do
+      [[ $a != --run_dir && $a != --run_dir=* ]] || die "give --run_dir gs://B/R to $PROG, before '--' (it checks that every worker shares it, and copies the logs there)"
+    done
+    die "--run_dir gs://B/R is required: without it each worker would write train's default runs/<name>-<stamp> on its own disk"
+  fi
   SCOPE=("--zone=$ZONE")
   [[ -z $PROJECT ]] || SCOPE+=("--project=$PROJECT")
   LOG_ROOT=${LOG_ROOT:-tpu_pod_logs/$TPU}

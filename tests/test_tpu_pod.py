@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from ppgd_tpu import storage
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "tpu_pod.sh"
 FAKE_BIN = ROOT / "tests" / "fake_gcloud"
@@ -135,6 +137,10 @@ def test_every_subcommand_has_help_and_calls_no_gcloud(tmp_path):
     (["run", "--zone", "z", "--", "x"], "--tpu NAME is required"),
     (["run", "--tpu", "pod", "--", "x"], "--zone ZONE is required"),
     (["run", *BASE, "--run_dir", "/local/dir"], "--run_dir '/local/dir' must be a gs:// path"),
+    # without one, each worker would write train's default run dir on its own disk
+    (["run", *BASE, "--", "x"], "--run_dir gs://B/R is required: without it each worker"),
+    (["run", *BASE, "--", "--run_dir=/local/dir"], "give --run_dir gs://B/R to tpu_pod.sh, "
+                                                   "before '--'"),
     (["run", *BASE, "--env", "no-equals"], "--env 'no-equals' is not KEY=VALUE"),
     (["run", *BASE, "--coordinator-port", "99999"], "--coordinator-port '99999' is not a port"),
     (["run", *BASE, "--spot"], "option --spot does not apply to 'run'"),
@@ -201,14 +207,14 @@ def test_run_issues_exact_commands_on_every_worker_and_passes_args_unchanged(tmp
     assert (r.state / f"gcs/bkt/runs/r1/launch_logs/{stamp}/exit_status").read_text() == "rc=0 failed_worker=none\n"
 
 
-def test_training_outlives_the_launchers_ssh_session(tmp_path):
+def test_training_outlives_the_launchers_ssh_session(tmp_path, gcs_emulator):
     """Ending `run` locally ends only its ssh sessions; training on the pod goes on until
     `stop` (README). Without a pty, sshd signals nothing when the session ends: the remote
     command's console is simply gone. Here `run`'s remote command, exactly as issued, runs
     under bash with a real `ppgd-tpu train` and its console (a pipe) is closed mid-run:
     the run still finishes, and the worker's train.log holds all of its output."""
-    run_dir = tmp_path / "run"
-    r = Launch(tmp_path, ["run", *BASE, "--", f"--run_dir={run_dir}", "--decomp.steps=3000",
+    run_dir = gcs_emulator.run_dir()  # as on a pod: a prefix every worker shares
+    r = Launch(tmp_path, ["run", *BASE, "--run_dir", run_dir, "--", "--decomp.steps=3000",
                           "--log.every=50", "--log.progress=true", "--eval.figures=false"])
     assert r.rc == 0, r.err
     command = r.ssh(0)[-1]
@@ -230,7 +236,7 @@ def test_training_outlives_the_launchers_ssh_session(tmp_path):
             worker.wait()
     log = (home / "ppgd_tpu" / "train.log").read_text()
     assert rc == 0, log[-3000:]
-    assert (run_dir / "summary.json").exists(), log[-3000:]
+    assert storage.exists(f"{run_dir}/summary.json"), log[-3000:]
     assert "3000/3000" in log and "eval/recon/zero" in log  # the bar's end, the final table
 
 
@@ -238,7 +244,7 @@ def test_a_dropped_ssh_session_reattaches_instead_of_starting_a_second_training(
     """gcloud runs a command again when its ssh ends with 255, and a dropped connection leaves
     the first run training: the re-run must follow that training to its end and exit code,
     not start another one on the worker (two trainings of one run dir, one TPU)."""
-    r = Launch(tmp_path, ["run", *BASE, "--", "x"],
+    r = Launch(tmp_path, ["run", *BASE, "--run_dir", "gs://b/r", "--", "x"],
                {"workers": 2, "train": {"1": {"*": "slow"}}, "drops": {"1": 1}})
     assert r.rc == 0, r.err
     assert sorted(t["worker"] for t in r.trains()) == [0, 1]  # one training per worker
@@ -304,18 +310,18 @@ def test_run_fails_fast_names_the_worker_and_stops_the_others(tmp_path):
 def test_run_refuses_a_subset_of_workers(tmp_path):
     """--worker is refused outright; an unreachable worker fails the preflight and nothing starts."""
     (tmp_path / "a").mkdir()
-    r = Launch(tmp_path / "a", ["run", *BASE, "--worker", "0", "--", "x"])
+    r = Launch(tmp_path / "a", ["run", *BASE, "--run_dir", "gs://b/r", "--worker", "0", "--", "x"])
     assert r.rc == 2 and "--worker is refused: 'run' always uses every worker" in r.err and r.calls == []
 
     (tmp_path / "b").mkdir()
-    r = Launch(tmp_path / "b", ["run", *BASE, "--", "x"], {"workers": 4, "unreachable": [3]})
+    r = Launch(tmp_path / "b", ["run", *BASE, "--run_dir", "gs://b/r", "--", "x"], {"workers": 4, "unreachable": [3]})
     assert r.rc == 2
     assert "preflight failed on worker(s) 3 of 4" in r.err and "refusing to start on a subset" in r.err
     assert r.trains() == [] and not any("PPGD_COORDINATOR_PORT" in cmd for cmd in r.ssh())
 
 
 def test_run_refuses_a_pod_that_is_not_ready(tmp_path):
-    r = Launch(tmp_path, ["run", *BASE, "--", "x"], {"state": "CREATING"})
+    r = Launch(tmp_path, ["run", *BASE, "--run_dir", "gs://b/r", "--", "x"], {"state": "CREATING"})
     assert r.rc == 2 and "TPU pod is CREATING, not READY; refusing" in r.err
     assert r.ssh() == []
 
@@ -538,7 +544,8 @@ def test_setup_from_a_git_ref_quotes_the_requirement(tmp_path):
 # ------------------------------------------------------------------------- status / logs / stop
 
 def test_status_logs_and_stop(tmp_path):
-    assert Launch(tmp_path, ["run", *BASE, "--", "--decomp.steps=1"], {"workers": 2}).rc == 0
+    assert Launch(tmp_path, ["run", *BASE, "--run_dir", "gs://b/r", "--", "--decomp.steps=1"],
+                  {"workers": 2}).rc == 0
     logs = Launch(tmp_path, ["logs", *BASE, "--worker", "1", "--lines", "5"])
     assert logs.rc == 0 and logs.out == "fake train run 1 on worker 1: ok\n"
     assert logs.ssh() == ['tail -n 5 "$HOME/ppgd_tpu/train.log"']
