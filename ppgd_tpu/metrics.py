@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
@@ -141,7 +143,7 @@ def json_line(values: dict) -> str:
 
 
 class MetricsWriter:
-    """RUN_DIR/metrics.jsonl, plus TensorBoard events for a local run dir.
+    """RUN_DIR/metrics.jsonl, plus TensorBoard events (RUN_DIR/tb).
 
     Local files are appended line by line. A GCS object cannot be appended to, so on gs://
     the lines are kept here and the whole (small) file is rewritten at most every `flush_s`
@@ -162,8 +164,8 @@ class MetricsWriter:
         if resume_step is not None:
             self._keep(lambda record: record["step"] <= resume_step)
         self.tb = None
-        if enabled and tensorboard and not self.remote:
-            self.tb = TensorBoard(os.path.join(run_dir, TENSORBOARD),
+        if enabled and tensorboard:
+            self.tb = TensorBoard(storage.join(run_dir, TENSORBOARD),
                                   None if resume_step is None else resume_step + 1)
 
     def write_final(self, step: int, values: dict) -> None:
@@ -205,7 +207,7 @@ class MetricsWriter:
             storage.write_bytes(self.path, "".join(self.lines).encode())
             self.flushed_at = time.monotonic()
         if self.tb is not None:
-            self.tb.flush()
+            self.tb.flush(upload=True)
 
     def close(self) -> None:
         self.flush()
@@ -219,15 +221,23 @@ class TensorBoard:
     left every later add_scalar blocked on its full queue, the run hung for good.
 
     `purge_step`: a SessionLog START there hides the events of earlier files with a step
-    >= it (a resumed run's redone steps), as TensorBoard reads them."""
+    >= it (a resumed run's redone steps), as TensorBoard reads them.
+
+    On gs:// (which cannot append) the events file is written in a local temp dir and
+    copied whole to `logdir` on flush(upload=True), as often as metrics.jsonl."""
 
     def __init__(self, logdir: str, purge_step: int | None):
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto import event_pb2, summary_pb2
 
         self.pb, self.summary_pb = event_pb2, summary_pb2
-        os.makedirs(logdir, exist_ok=True)
-        self.events = EventsWriter(os.path.join(logdir, "events"))
+        self.remote = logdir if storage.is_gcs(logdir) else None
+        self.local = tempfile.mkdtemp(prefix="ppgd-tb-") if self.remote else logdir
+        os.makedirs(self.local, exist_ok=True)
+        # tensorboardX names files by the second; a writer resumed within it must still
+        # get its own file (gs:// would replace the first), sorted after (TensorBoard reads
+        # files in name order)
+        self.events = EventsWriter(os.path.join(self.local, "events"), f".{time.time_ns()}")
         if purge_step is not None:
             self._put(event_pb2.Event(step=purge_step, session_log=event_pb2.SessionLog(
                 status=event_pb2.SessionLog.START)))
@@ -242,11 +252,18 @@ class TensorBoard:
         self._put(self.pb.Event(step=int(step), summary=self.summary_pb.Summary(value=[
             value(tag=k, simple_value=float(v)) for k, v in scalars.items()])))
 
-    def flush(self) -> None:
+    def flush(self, upload: bool = False) -> None:
         self.events.flush()
+        if upload and self.remote:
+            for name in os.listdir(self.local):  # this writer's one events file
+                with open(os.path.join(self.local, name), "rb") as fh:
+                    storage.write_bytes(storage.join(self.remote, name), fh.read())
 
     def close(self) -> None:
+        self.flush(upload=True)
         self.events.close()
+        if self.remote:
+            shutil.rmtree(self.local, ignore_errors=True)
 
 
 class Progress:

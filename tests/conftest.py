@@ -1,4 +1,5 @@
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -119,3 +120,27 @@ def gcs_emulator():
     emulator = GcsEmulator().start()
     yield emulator
     emulator.stop()
+
+
+def tensorboard_series(tb_dir) -> dict[tuple[str, int], float]:
+    """{(tag, step): value} as TensorBoard shows it: event files in name order, and a
+    SessionLog START at step s (a resumed writer's purge) hides every earlier event with a
+    step >= s. Records: u64 length, u32 crc, the Event, u32 crc (CRCs not checked)."""
+    from tensorboardX.proto import event_pb2
+
+    seen: dict[tuple[str, int], float] = {}
+    for name in sorted(os.listdir(tb_dir)):
+        data = (tb_dir / name).read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == \
+                    event_pb2.SessionLog.START:
+                seen = {key: v for key, v in seen.items() if key[1] < event.step}
+            for value in event.summary.value:
+                key = (value.tag, event.step)
+                assert key not in seen, f"{key} shown twice"
+                seen[key] = value.simple_value
+    return seen

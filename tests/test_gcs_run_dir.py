@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from conftest import tensorboard_series
 from ppgd_tpu import checkpoint, cli, load_decomposition, storage
 
 ARGS = ["--decomp.steps=8", "--data.batch_size=32", "--eval.batch_size=64", "--eval.every=0",
@@ -23,7 +24,7 @@ ARGS = ["--decomp.steps=8", "--data.batch_size=32", "--eval.batch_size=64", "--e
         "--data.replay_ci_update=first"]
 
 
-def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator):
+def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator, tmp_path):
     run = gcs_emulator.run_dir()
     assert cli.run(["train", f"--run_dir={run}", "--checkpoint.every=2",
                     "--checkpoint.keep_last_n=10", *ARGS]) == 0
@@ -34,6 +35,10 @@ def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator):
     # held in memory and never written on gs://)
     assert [r["step"] for r in rows] == [2, 4, 6, 8, 8]
     assert rows[-1] == summary
+    # TensorBoard's events too (they were written for local run dirs only, silently)
+    logged = {(k, r["step"]): v for r in rows[:-1] for k, v in r.items() if k != "step"}
+    shown = _tensorboard_on_gcs(run, tmp_path / "tb")
+    assert shown == pytest.approx(logged, rel=1e-6)
     assert storage.exists(f"{run}/figures/ci_per_feature.png")
     comps = load_decomposition(run)
     assert comps["linear1"]["V"].shape == (5, 20)
@@ -50,6 +55,20 @@ def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator):
     assert checkpoint.digest(run, 8).overall == want
     again = [json.loads(r) for r in storage.read_bytes(f"{run}/metrics.jsonl").splitlines()]
     assert [r["step"] for r in again] == [2, 4, 6, 8, 8] and again[-1] == rows[-1]
+    # the resumed writer's events (a second file) hide the redone step 8's, as locally [C3]
+    resumed = _tensorboard_on_gcs(run, tmp_path / "tb_again")
+    assert {k: v for k, v in resumed.items() if not k[0].startswith("train/perf/")} == {
+        k: v for k, v in shown.items() if not k[0].startswith("train/perf/")}
+
+
+def _tensorboard_on_gcs(run: str, local) -> dict:
+    """RUN/tb's event files, copied to `local`, as TensorBoard shows them."""
+    local.mkdir()
+    names = storage.list_entries(f"{run}/tb")
+    assert names, "no TensorBoard events"
+    for name in names:
+        (local / name).write_bytes(storage.read_bytes(f"{run}/tb/{name}"))
+    return tensorboard_series(local)
 
 
 def test_sigterm_resume_on_gcs(gcs_emulator):

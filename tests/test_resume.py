@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 
+from conftest import tensorboard_series
 from ppgd_tpu import checkpoint, cli
 
 N, K_REPLAY = 8, 4
@@ -64,30 +64,6 @@ def test_C3_W6_resume_at_every_step_is_bitwise_the_straight_run(tmp_path, mode):
         shutil.rmtree(resumed)
 
 
-def _tensorboard_series(tb_dir) -> dict[tuple[str, int], float]:
-    """{(tag, step): value} as TensorBoard shows it: event files in name order, and a
-    SessionLog START at step s (a resumed writer's purge) hides every earlier event with a
-    step >= s. Records: u64 length, u32 crc, the Event, u32 crc (CRCs not checked)."""
-    from tensorboardX.proto import event_pb2
-
-    seen: dict[tuple[str, int], float] = {}
-    for name in sorted(os.listdir(tb_dir)):
-        data = (tb_dir / name).read_bytes()
-        at = 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
-            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
-            at += 12 + length + 4
-            if event.HasField("session_log") and event.session_log.status == \
-                    event_pb2.SessionLog.START:
-                seen = {key: v for key, v in seen.items() if key[1] < event.step}
-            for value in event.summary.value:
-                key = (value.tag, event.step)
-                assert key not in seen, f"{key} shown twice"
-                seen[key] = value.simple_value
-    return seen
-
-
 def _no_perf(series: dict) -> dict:
     return {key: v for key, v in series.items() if not key[0].startswith("train/perf/")}
 
@@ -105,7 +81,7 @@ def test_C3_a_resumed_run_logs_what_the_straight_run_logged(tmp_path):
     assert cli.run(_args(straight, "first", extra)) == 0
     want = [json.loads(ln) for ln in open(straight / "metrics.jsonl")]
     assert any(k.endswith("/max") for k in want[0])
-    shown = _tensorboard_series(straight / "tb")
+    shown = tensorboard_series(straight / "tb")
     logged = {(k, r["step"]): v for r in want[:-1] for k, v in r.items()
               if k != "step" and not k.startswith("train/perf/")}  # the last: final eval
     assert {key: shown[key] for key in logged} == pytest.approx(logged, rel=1e-6)
@@ -121,7 +97,7 @@ def test_C3_a_resumed_run_logs_what_the_straight_run_logged(tmp_path):
         for old, new in zip(want, again):
             old = {k: v for k, v in old.items() if not k.startswith("train/perf/")}
             assert {k: new[k] for k in old} == old, f"K={K}, step {old['step']}"
-        assert _no_perf(_tensorboard_series(resumed / "tb")) == _no_perf(shown), f"K={K}"
+        assert _no_perf(tensorboard_series(resumed / "tb")) == _no_perf(shown), f"K={K}"
         shutil.rmtree(resumed)
 
 
