@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import signal
 import time
 import warnings
 
@@ -256,7 +257,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
             raise checkpoint.damaged(rd.path, start, e) from None
         logging.info("resumed from the checkpoint at step %d", start)
     if start >= steps:
-        return _finish(cfg, rd, trainer, state)
+        return _finish(cfg, rd, trainer, state, stop)
 
     writer = metrics_lib.MetricsWriter(rd.path, enabled=dist.is_main(),
                                        tensorboard=cfg.log.tensorboard, resume_step=start)
@@ -318,11 +319,21 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     check_decomposition_finite(steps, state)
     saver.save(steps, resume.checkpoint_leaves(state, replay))
     saver.wait()
-    return _finish(cfg, rd, trainer, state)
+    return _finish(cfg, rd, trainer, state, stop)
 
 
-def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState) -> dict:
-    """Final eval, decomposition file, figures, then summary.json LAST (WORKSPACE.md)."""
+def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState,
+            stop: dist.StopSignal) -> dict:
+    """Final eval, decomposition file, figures, then summary.json LAST (WORKSPACE.md).
+
+    The final checkpoint is committed, so a signal from here on ends the command at once
+    (re-run, it redoes only this): the StopSignal, which only notes signals for a step
+    boundary, hands them back, and one it noted since the loop's last boundary (or on a
+    resume that had no step left) is delivered now. Before, the final eval of an LM took
+    minutes in which Ctrl-C did nothing and said nothing."""
+    stop.close()
+    for name in stop.signals_received[:1]:
+        signal.raise_signal(signal.Signals[name])
     summary = trainer.evaluate(state, cfg.decomp.steps)
     # collectives: every process fetches, since the arrays may span processes
     state, target, eval_batch = trainer.to_host((state, trainer.target, trainer.eval_batch))

@@ -234,6 +234,48 @@ def test_C5_sigterm_saves_the_completed_step_exits_0_and_resumes_exactly(tmp_pat
     assert checkpoint.digest(str(run), steps).overall == want
 
 
+# A real `ppgd-tpu train` whose final phase (or last save) receives a real signal: `hook`
+# replaces a function of that phase with one that signals this process first.
+_SIGNAL_IN = """
+import os, signal, sys
+from ppgd_tpu import cli, engine
+where, name = sys.argv[1], sys.argv[2]
+owner = engine.eval_lib if where == "figures" else engine
+real = getattr(owner, where)
+def hook(*args):
+    if where == "figures" or args[0] == {steps}:  # the final save's check
+        os.kill(os.getpid(), getattr(signal, name))
+    return real(*args)
+setattr(owner, where, hook)
+sys.argv = ["ppgd-tpu", *sys.argv[3:]]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize("where", ["figures", "check_decomposition_finite"])
+@pytest.mark.parametrize("name,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_C5_a_signal_in_the_final_phase_ends_the_command_and_a_rerun_finishes(
+        tmp_path, where, name, code):
+    """Once the final checkpoint is committed, a signal during the final eval, decomposition
+    and figures (an LM's take minutes) ends the command at once with 130 / 143; one that
+    came during the final save is delivered then. Both were noted and ignored, silently. The
+    same command then finishes the run from that checkpoint, as a straight run would."""
+    straight = tmp_path / "straight"
+    args = [a for a in _args(straight, "every") if a != "--eval.figures=false"]
+    assert cli.run(args) == 0
+    run = tmp_path / "signalled"
+    argv = [a.replace(str(straight), str(run)) for a in args]
+    p = subprocess.run([sys.executable, "-c", _SIGNAL_IN.format(steps=N), where, name,
+                        *argv], capture_output=True, text=True, timeout=600)
+    assert p.returncode == code, p.stderr[-3000:]
+    assert f"({name}); nothing partial is read as complete" in p.stderr, p.stderr[-3000:]
+    assert checkpoint.latest_step(str(run)) == N and not (run / "summary.json").exists()
+    assert cli.run(argv) == 0
+    assert (json.loads((run / "summary.json").read_text())
+            == json.loads((straight / "summary.json").read_text()))
+    assert _final_digest(run) == _final_digest(straight)
+
+
 def test_C2_load_decomposition_reads_a_stopped_run_from_its_checkpoint(tmp_path):
     from ppgd_tpu import load_decomposition
 
