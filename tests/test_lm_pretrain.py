@@ -149,8 +149,7 @@ def test_a_resume_state_edited_by_hand_is_refused_naming_it(store, tmp_path, cap
         edit(edited)
         open(path, "wb").write(safetensors_numpy.save(edited, metadata=metadata))
         capsys.readouterr()
-        # (2 steps: were it not refused, it would end soon, not train for ever)
-        assert cli.run([*args, "--target.llama_simple_mlp.pretrain.steps=2"]) == 2
+        assert cli.run(args) == 2
         err = capsys.readouterr().err
         assert f"--output: {path} (the resume state of an interrupted pretrain) is damaged" in err
         assert needle in err and "delete it to start over" in err, err
@@ -223,8 +222,8 @@ def test_a_second_pretrain_on_an_output_being_written_is_refused(store, tmp_path
             assert holder.poll() is None, holder.communicate()[0][-3000:]
             assert time.time() < deadline, "the first pretrain never took its lock"
             time.sleep(0.1)
-        # (2 steps: were it not refused, it would end soon, not train for ever)
-        assert cli.run([*args, "--target.llama_simple_mlp.pretrain.steps=2"]) == 2
+        # (6 steps: were it not refused, it would end soon, not train for ever)
+        assert cli.run([*args, "--target.llama_simple_mlp.pretrain.steps=6"]) == 2
         err = capsys.readouterr().err
         assert (f"ppgd-tpu pretrain: error: --output: {out} is being written by another "
                 f"`ppgd-tpu pretrain` (pid {holder.pid} on host") in err, err
