@@ -373,10 +373,13 @@ AGAIN = "nothing partial is read as complete: re-run the same command to start o
 def _end(code: int, message: str) -> None:
     """Exits with `code` after `message`; in a multi-process job first tells the other
     processes (dist.report_failure), and skips the exit barrier they would never reach."""
-    # one write, line and newline: the failure watcher's line (dist) cannot land inside it
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-    if _multi_process():  # a traceback's last line says what failed; a refusal is all said
+    multi = _multi_process()
+    # unless another's notice of it (the same refusal, seen at once) was said already
+    if not multi or sys.modules["ppgd_tpu.dist"].claim_saying_end():
+        # one write, line and newline: the failure watcher's line cannot land inside it
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    if multi:  # a traceback's last line says what failed; a refusal is all said
         notice = message if code == 2 else message.splitlines()[-1]
         # the others end with this code: 2 as refused, 130/143 as stopped, 1 as failed
         sys.modules["ppgd_tpu.dist"].report_failure(notice, code)

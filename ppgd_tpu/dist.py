@@ -89,6 +89,7 @@ class _State:
     settings: Settings | None = None  # what it brought up (index/count from JAX)
     seq: dict[str, int] = dataclasses.field(default_factory=dict)
     failure_watcher: threading.Thread | None = None  # multi-process: _watch_failures
+    said_end: bool = False  # why this process ends was said (claim_saying_end)
 
 
 _state = _State()
@@ -244,6 +245,18 @@ _FAILURE_POLL_MS = 500  # a notice ends a wait at once; the polls let shutdown()
 FAILURE_GRACE_S = 2.0  # process 0 stays this long for the others to read a failure notice
 
 
+_said_lock = threading.Lock()
+
+
+def claim_saying_end() -> bool:
+    """True for the first caller only: this process ends, and either its own message (the
+    main thread) or another's notice (the failure watcher) says why, not both (a refusal
+    every process sees at once was said twice)."""
+    with _said_lock:
+        first, _state.said_end = not _state.said_end, True
+        return first
+
+
 def report_failure(message: str, code: int = 1) -> None:
     """This process ends with an error (exit `code`): tells the others, whose failure watcher
     then exits them at once naming it, with the same code (they would otherwise wait in
@@ -274,7 +287,8 @@ def _watch_failures(client) -> None:
                 time.sleep(_FAILURE_POLL_MS / 1000)
             continue
         failed = json.loads(notice)
-        if _state.client is client and failed["process"] != _state.index:
+        if _state.client is client and failed["process"] != _state.index \
+                and claim_saying_end():
             os.write(2, f"{tag()} stopping: process {failed['process']}: "
                         f"{failed['message']}\n".encode())
             if is_main():  # the others read the notice from the service it hosts

@@ -197,3 +197,21 @@ def test_C5_children_of_a_launcher_that_dies_stop_and_save(tmp_path):
 def test_bad_launcher_flags_are_refused_naming_the_flag(capsys, argv, message):
     assert launch_local.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_refusal_every_process_sees_is_said_once_by_each(tmp_path):
+    """A batch that does not divide over 3 processes: each one says the refusal (exit 2,
+    the field named) once: its own line, or, when another refused first, that one's
+    notice ("stopping: process 0: ..."), not its own line followed by the notice too."""
+    out = subprocess.run([sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "3",
+                          "--", "train", f"--run_dir={tmp_path / 'r'}", "--data.batch_size=32",
+                          "--eval.batch_size=30", "--log.progress=false"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    for i in range(3):
+        mine = [ln for ln in text.splitlines() if ln.startswith(f"[p{i}")]
+        said = [ln for ln in mine if "data.batch_size: 32 rows do not divide" in ln]
+        assert len(said) == 1, f"p{i}:\n" + "\n".join(mine)
+    assert not (tmp_path / "r").exists()
