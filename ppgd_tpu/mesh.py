@@ -90,11 +90,13 @@ def _fill(sizes: dict[str, int], total: int, what: str) -> dict[str, int]:
     if free:
         if total % fixed:
             raise MeshError(f"mesh.{', mesh.'.join(k for k in sizes if k not in free)}: sizes "
-                            f"{fixed} do not divide the {total} {what}")
+                            f"{fixed} do not divide the {total} {what}; give sizes whose "
+                            f"product divides {total}")
         sizes = {**sizes, free[0]: total // fixed}
     elif fixed != total:
         raise MeshError(f"mesh.{', mesh.'.join(sizes)} = {tuple(sizes.values())} multiply to "
-                        f"{fixed}, but there are {total} {what}")
+                        f"{fixed}, but there are {total} {what}; give sizes that multiply "
+                        f"to {total}, or -1 for one of them (the rest)")
     return sizes
 
 

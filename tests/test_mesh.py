@@ -52,8 +52,10 @@ def test_mesh_sizes_infer_the_rest_and_split_ici_from_dcn():
 
 
 @pytest.mark.parametrize("cfg, n, granules, needle", [
-    (MeshConfig(data=3), 4, 1, "mesh.data, mesh.fsdp = (3, 1) multiply to 3, but there are 4"),
-    (MeshConfig(data=-1, fsdp=3), 4, 1, "mesh.fsdp: sizes 3 do not divide the 4"),
+    (MeshConfig(data=3), 4, 1, "mesh.data, mesh.fsdp = (3, 1) multiply to 3, but there are 4 "
+     "devices per slice/process; give sizes that multiply to 4, or -1 for one of them"),
+    (MeshConfig(data=-1, fsdp=3), 4, 1, "mesh.fsdp: sizes 3 do not divide the 4 devices per "
+     "slice/process; give sizes whose product divides 4"),
     (MeshConfig(data=-1, fsdp=-1), 4, 1, "mesh.data, mesh.fsdp: at most one of these may be -1"),
     (MeshConfig(data=0), 4, 1, "mesh.data: 0 is not a size"),
     (MeshConfig(dcn_data=3), 4, 2, "mesh.dcn_data, mesh.dcn_fsdp = (3, 1) multiply to 3"),
