@@ -135,6 +135,28 @@ def mmcs(V: np.ndarray, U: np.ndarray, W: np.ndarray) -> float:
     return float(np.mean(np.max(cos, axis=1)))
 
 
+# A component whose weight V[:, c] U[c, :] has under this share of the largest one's norm
+# is negligible: it cannot be a feature's best (its direction is noise) in ml2r.
+NEGLIGIBLE_NORM = 1e-3
+
+
+def ml2r(V: np.ndarray, U: np.ndarray, W: np.ndarray) -> float:
+    """Mean L2 ratio (TOYS.md): mean over rows f of W of |V[f, c]| |U[c, :]| / |W[f, :]|,
+    c the row's best component by cosine (as in mmcs) among the non-negligible ones; 1 when
+    the best components rebuild each feature at its own scale, what MMCS cannot see."""
+    size = np.linalg.norm(V, axis=0) * np.linalg.norm(U, axis=1)  # |V[:, c] U[c, :]|
+    keep = size >= NEGLIGIBLE_NORM * size.max() if size.max() > 0 else np.zeros_like(size, bool)
+    if not keep.any():
+        return 0.0
+    V, U = V[:, keep], U[keep]
+    u_norm = np.linalg.norm(U, axis=1)
+    w_norm = np.linalg.norm(W, axis=1)
+    cos = np.sign(V) * ((W / (w_norm[:, None] + 1e-12)) @ (U / (u_norm[:, None] + 1e-12)).T)
+    best = np.argmax(cos, axis=1)
+    rows = np.arange(W.shape[0])
+    return float(np.mean(np.abs(V[rows, best]) * u_norm[best] / (w_norm + 1e-12)))
+
+
 MMCS_RECOVERED = 0.99  # the SPD paper's bar for TMS (Table 1), the foundation issue's too
 
 
@@ -169,8 +191,10 @@ def host_metrics(dec: Decomposer, state: TrainState, target: Target, onehot: dic
             W = weights[s]
             if W.shape[0] == target.n_features:  # features index rows (e.g. TMS linear1)
                 out[f"eval/mmcs/{s}"] = mmcs(V, U, W)
+                out[f"eval/ml2r/{s}"] = ml2r(V, U, W)
             elif W.shape[1] == target.n_features:  # features index columns (TMS linear2)
                 out[f"eval/mmcs/{s}"] = mmcs(U.T, V.T, W.T)
+                out[f"eval/ml2r/{s}"] = ml2r(U.T, V.T, W.T)
             out[f"eval/recovered/{s}"] = int(identity_recovered(
                 int(alive.sum()), target.n_features, err, out.get(f"eval/mmcs/{s}")))
         if s in target.neuron_input_sites:

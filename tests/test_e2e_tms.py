@@ -27,6 +27,7 @@ def test_tms_5_2_recovers_the_features(tmp_path, capsys):
         assert s[f"eval/alive/{site}"] == 5, s
         assert s[f"eval/identity_ci_error/{site}"] == 0, s
         assert s[f"eval/mmcs/{site}"] >= 0.99, s
+        assert 0.9 < s[f"eval/ml2r/{site}"] < 1.1, s  # each feature rebuilt at its scale
         assert s[f"eval/recovered/{site}"] == 1, s
     assert s["eval/recon/ci_masked"] < 0.1 * s["eval/recon/zero"]
     assert "NOT recovered" not in capsys.readouterr().out

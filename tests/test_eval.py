@@ -70,3 +70,19 @@ def test_neuron_alignment_is_one_for_components_reading_one_neuron_each():
     two = np.array([[3.0, 0.0], [4.0, 1.0]])  # |V| 5 with max 4; one neuron: 1
     assert np.isclose(eval_lib.neuron_alignment(two, np.array([True, True])), (0.8 + 1.0) / 2)
     assert eval_lib.neuron_alignment(two, np.array([False, False])) == 0.0
+
+
+def test_ml2r_is_the_best_components_norm_over_the_features_and_ignores_negligible_ones():
+    """TOYS.md's mean L2 ratio on hand-built components: feature rows of W rebuilt by one
+    component each at a known scale; a tiny component pointing exactly along a feature
+    (it would win the cosine argmax) is not that feature's best."""
+    W = np.array([[3.0, 0.0, 0.0], [0.0, 2.0, 0.0]])  # 2 features, d_out 3
+    V = np.array([[1.5, 0.0, 1e-6], [0.0, -4.0, 0.0]])  # [2, C=3]
+    U = np.array([[0.96, 0.28, 0.0],   # feature 0, slightly off its direction: |U| 1
+                  [0.0, -1.0, 0.0],    # feature 1 with a sign flip in V: rebuilt at 2x
+                  [1.0, 0.0, 0.0]])    # negligible (norm 1e-6), exactly along feature 0
+    # feature 0: |1.5| * 1 / 3 = 0.5; feature 1: |-4| * 1 / 2 = 2
+    assert np.isclose(eval_lib.ml2r(V, U, W), (0.5 + 2.0) / 2)
+    assert np.isclose(eval_lib.mmcs(V, U, W), 1.0)  # the tiny one wins MMCS's argmax
+    assert np.isclose(eval_lib.ml2r(V[:, 2:], U[2:], W), 1e-6 / 3 / 2)  # alone, it counts
+    assert eval_lib.ml2r(np.zeros((2, 3)), U, W) == 0.0
