@@ -54,8 +54,8 @@ WORKER=0 FOLLOW=0 LINES=100
 EXTRA_ENV=() TRAIN_ARGS=() SSH_NET=()  # SSH_NET: --internal-ip / --tunnel-through-iap
 TMP="" RUNNING=() ACTION=""   # scratch dir; local ssh pids still to reap on exit
 
-die() { echo "$PROG $CMD: error: $*" >&2; exit 2; }
-note() { echo "$PROG $CMD: $*" >&2; }
+die() { echo "$PROG${CMD:+ $CMD}: error: $*" >&2; exit 2; }
+note() { echo "$PROG${CMD:+ $CMD}: $*" >&2; }
 
 # ---------------------------------------------------------------- usage
 
@@ -133,8 +133,8 @@ usage_status() {
 }
 
 usage_logs() {
-  echo "usage: $PROG logs --tpu NAME --zone ZONE [--worker N] [--lines K] [--follow]"
-  echo "Prints the last K (default $LINES) lines of worker N's (default 0) \$HOME/ppgd_tpu/train.log."
+  echo "usage: $PROG logs --tpu NAME --zone ZONE [--worker N|all] [--lines K] [--follow]"
+  echo "Prints the last K (default $LINES) lines of worker N's (default 0; all: every worker's) \$HOME/ppgd_tpu/train.log."
 }
 
 usage_stop() {
@@ -211,7 +211,9 @@ parse_opts() {
         [[ $CMD == logs ]] || die "--worker is refused: '$CMD' always uses every worker" \
           "(a multi-host JAX job started on a subset of a pod hangs at start-up)"
         WORKER=$val ;;
-      *) die "unknown option '$OPT' (see $PROG $CMD --help)" ;;
+      *) [[ $CMD != run && $CMD != watch ]] ||
+           die "unknown option '$OPT' (see $PROG $CMD --help); train's own flags (--config, --decomp.steps, ...) go after '--'"
+         die "unknown option '$OPT' (see $PROG $CMD --help)" ;;
     esac
     shift 2
   done

@@ -133,7 +133,10 @@ def test_every_subcommand_has_help_and_calls_no_gcloud(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["frobnicate"], "unknown subcommand 'frobnicate'"),
+    (["frobnicate"], "tpu_pod.sh: error: unknown subcommand 'frobnicate'"),
+    (["run", *BASE, "--config=c.yaml", "--", "x"],
+     "unknown option '--config' (see tpu_pod.sh run --help); train's own flags (--config, "
+     "--decomp.steps, ...) go after '--'"),
     (["run", "--zone", "z", "--", "x"], "--tpu NAME is required"),
     (["run", "--tpu", "pod", "--", "x"], "--zone ZONE is required"),
     (["run", *BASE, "--run_dir", "/local/dir"], "--run_dir '/local/dir' must be a gs:// path"),
