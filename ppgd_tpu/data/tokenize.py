@@ -260,10 +260,10 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
                 raise TokenizeError(str(e)) from e
             except StoreWriteError as e:
                 raise TokenizeError(f"--output: {e}") from None
-            bar.set_postfix(tokens=writer.n_tokens, rows=writer.n_rows, refresh=False)
+            rows = writer.n_tokens // seq_len  # packed so far (written: per shard)
+            bar.set_postfix(tokens=writer.n_tokens, rows=rows, refresh=False)
             logging.log_every_n_seconds(logging.INFO, "tokenize: %d documents, %d tokens, %d "
-                                        "rows", 30, writer.n_documents, writer.n_tokens,
-                                        writer.n_rows)
+                                        "rows", 30, writer.n_documents, writer.n_tokens, rows)
         bar.close()
         if writer.n_documents == 0:
             raise TokenizeError(f"--input {' '.join(inputs)}: the {len(files)} files hold no "
