@@ -135,12 +135,20 @@ def join(path: str, *parts: str) -> str:
     return os.path.join(path, *parts)
 
 
+# Cloud Storage out of reach: tensorstore retries a request 32 times by default (backoff up
+# to 32 s: ~15 minutes of silence before a run fails); these ~2 minutes outlast a blip, and
+# gcsfs (metrics, summaries) gives up on a connection that stalls after GCS_STALL_S.
+GCS_RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "32s"}
+GCS_STALL_S = 120
+
+
 def kvstore(path: str) -> dict:
     """The tensorstore kvstore spec for a directory (trailing slash: it is a prefix)."""
     path = normalize(path)
     if is_gcs(path):
         bucket, _, rest = path[len(_GCS):].partition("/")
-        return {"driver": "gcs", "bucket": bucket, "path": rest.rstrip("/") + "/"}
+        return {"driver": "gcs", "bucket": bucket, "path": rest.rstrip("/") + "/",
+                "gcs_request_retries": GCS_RETRIES}
     return {"driver": "file", "path": path.rstrip("/") + "/"}
 
 
@@ -152,7 +160,10 @@ def _fs_and_path(path: str):
         # Against the emulator there is nothing to authenticate with; in production gcsfs
         # finds the default credentials itself.
         token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
-        fs = gcsfs.GCSFileSystem(token=token, use_listings_cache=False)
+        import aiohttp
+
+        stall = aiohttp.ClientTimeout(sock_connect=GCS_STALL_S, sock_read=GCS_STALL_S)
+        fs = gcsfs.GCSFileSystem(token=token, use_listings_cache=False, requests_timeout=stall)
         return fs, path[len(_GCS):]
     import fsspec
 

@@ -88,6 +88,12 @@ class GcsEmulator:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read() or b"{}")
 
+    def kill(self) -> None:
+        """Cloud Storage gone mid-run: the service dies (its data with it); stop() still
+        restores the environment."""
+        self._proc.kill()
+        self._proc.wait()
+
     def stop(self) -> None:
         for k, v in self._saved_env.items():
             if v is None:

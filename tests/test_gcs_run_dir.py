@@ -238,6 +238,33 @@ def test_storage_that_denies_access_ends_the_run_with_one_line_naming_the_path(t
     assert "permission denied" in last and "storage.objects.get" in last, last
 
 
+def test_cloud_storage_lost_mid_run_ends_it_in_minutes_with_one_line(gcs_emulator):
+    """The service gone after a checkpoint committed: the run ends with status 1 and one
+    line naming the path and Cloud Storage. It used to stay silent ~15 minutes (tensorstore's
+    32 retries, then a wait for the save in flight, deaf to SIGTERM), then name the failed
+    save instead of the cause."""
+    run = gcs_emulator.run_dir()
+    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run}",
+           *[a.replace("--decomp.steps=8", "--decomp.steps=1000000") for a in ARGS],
+           "--checkpoint.every=200", "--log.every=50"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while checkpoint.latest_step(run) is None:
+            assert time.time() < deadline and p.poll() is None, "no checkpoint committed"
+            time.sleep(0.1)
+        gcs_emulator.kill()
+        out, _ = p.communicate(timeout=400)  # the retries: ~2 minutes at most
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"ppgd-tpu: failed: {run}/") and "Cloud Storage" in last, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
 def test_a_connection_failure_is_named_as_cloud_storage_out_of_reach():
     """The classification of the error the client raises for a host that does not answer
     (the client retries it for ~40 s before, so a run is not the place to show it)."""

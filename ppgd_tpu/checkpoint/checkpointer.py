@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 from typing import Any, Callable, Mapping
 
 import jax
@@ -66,10 +67,34 @@ def write_step(
     return True
 
 
+# How long a command that is failing anyway waits for its save in flight before leaving it
+# uncommitted (a resume then uses the checkpoint before it [C4]): long enough for a save
+# that works, short of Cloud Storage's retries when the failure is that it is unreachable.
+ABANDON_AFTER_S = 30.0
+
+
+def _in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
+    """fn(*args, **kwargs) in a daemon thread: a save left behind by a failing command does
+    not hold its exit (an executor's thread is joined at interpreter exit)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="ppgd-ckpt-save", daemon=True).start()
+    return future
+
+
 class Checkpointer:
     """Async saver: `save` blocks only for the device-to-host copy; writing and commit run in
-    one background thread, at most one save in flight (a second save first waits for the
-    previous one). A background failure is raised by the next `save`/`wait`/`close`."""
+    a background thread, at most one save in flight (a second save first waits for the
+    previous one). A background failure is raised by the next `save`/`wait`/`close`. Left
+    by an exception, it waits ABANDON_AFTER_S at most for the save in flight, and that
+    save's own failure does not replace the exception."""
 
     def __init__(
         self,
@@ -91,7 +116,6 @@ class Checkpointer:
         self.keep_last_n, self.keep_every = keep_last_n, keep_every
         self.config_hash = config_hash
         self.barrier = barrier or _no_barrier
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
         self._pending: tuple[int, concurrent.futures.Future] | None = None
 
     def save(self, step: int, arrays: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> None:
@@ -106,7 +130,7 @@ class Checkpointer:
             process_count=jax.process_count(),
             meta=dict(meta or {}),
         )
-        future = self._pool.submit(
+        future = _in_background(
             write_step, self.run_dir, int(step), leaves, manifest,
             process_index=jax.process_index(), barrier=self.barrier,
             keep_last_n=self.keep_last_n, keep_every=self.keep_every,
@@ -125,16 +149,27 @@ class Checkpointer:
             raise RuntimeError(f"background save of checkpoint step {step} to {self.run_dir} failed") from e
 
     def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)
+        self.wait()
 
     def __enter__(self) -> "Checkpointer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        try:
+            future.result(timeout=ABANDON_AFTER_S)
+        except concurrent.futures.TimeoutError:
+            logging.warning("left the checkpoint of step %d uncommitted (still writing after "
+                            "%.0f s); a resume uses the one before it", step, ABANDON_AFTER_S)
+        except Exception as e:  # the command's own error says what went wrong
+            logging.warning("the checkpoint of step %d failed too: %s", step,
+                            storage.short_error(e))
 
 
 def save(run_dir: str, step: int, arrays: Mapping[str, Any], meta=None, **kwargs) -> None:

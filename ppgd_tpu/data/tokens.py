@@ -120,16 +120,6 @@ def _join(path: str, name: str) -> str:
     return path.rstrip("/") + "/" + name
 
 
-def _kvstore(path: str) -> dict:
-    """tensorstore kvstore spec for a local directory or gs://bucket/prefix."""
-    if path.startswith("gs://"):
-        bucket, _, prefix = path[len("gs://"):].partition("/")
-        if not bucket:
-            raise ValueError(f"token store path {path!r} names no bucket (gs://BUCKET/PREFIX)")
-        return {"driver": "gcs", "bucket": bucket, "path": prefix.strip("/") + "/"}
-    return {"driver": "file", "path": os.path.abspath(path) + "/"}
-
-
 def fs_for(path: str):
     """(fsspec filesystem, path inside it): small store files and tokenize inputs."""
     if path.startswith("gs://"):
@@ -148,7 +138,7 @@ def _write_small(path: str, text: str) -> None:
 
 
 def _array_spec(path: str, array_dir: str) -> dict:
-    return {"driver": "zarr3", "kvstore": _kvstore(_join(path, array_dir))}
+    return {"driver": "zarr3", "kvstore": storage.kvstore(_join(path, array_dir))}
 
 
 def _array_dir(meta: dict) -> str:
