@@ -343,7 +343,8 @@ def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState,
         writer.close()  # on gs:// the line is held in memory until then
         save_decomposition(rd.file(DECOMPOSITION), state, trainer.dec.sites)
         if cfg.eval.figures:
-            eval_lib.figures(trainer.dec, state, target, eval_batch, rd.file(FIGURES))
+            eval_lib.figures(trainer.dec, state, target, eval_batch, rd.file(FIGURES),
+                             f"{cfg.name} ({rd.path}), step {cfg.decomp.steps}")
         summary = {"step": cfg.decomp.steps, **summary}
         rd.write_summary(summary)
         print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))

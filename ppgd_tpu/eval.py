@@ -219,8 +219,12 @@ def recovery_note(summary: dict) -> str | None:
 # ---------------------------------------------------------------- slow tier (figures)
 
 
-def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: str) -> list[str]:
-    """CI per input feature (heatmaps), component weights, CI histograms -> PNG files."""
+def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: str,
+            title: str = "") -> list[str]:
+    """CI per input feature (heatmaps), component norms and weights, CI histograms and
+    activation densities -> PNG files, each titled `title` (the run and step). Every
+    per-component figure orders a site's components the same way, by norm |V_c| |U_c|, and
+    names each by its index c (as in the checkpoint), so one can be followed across them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,57 +236,85 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
     ci = {s: _to_host(x) for s, x in lower(state, target, batch).items()}
     n = len(dec.sites)
 
-    if target.n_features is not None:
-        onehot = jax.device_get(jax.jit(lambda st, t: one_hot_ci(dec, st, t))(state, target))
-        fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
-        for ax, s in zip(axes[0], dec.sites):
-            m = np.asarray(onehot[s])
-            rows, cols = linear_sum_assignment(-m)
-            order = list(cols) + [c for c in range(m.shape[1]) if c not in set(cols)]
-            im = ax.imshow(m[:, order], vmin=0, vmax=1, cmap="Blues", aspect="auto")
-            ax.set_title(f"{s}\nCI on 0.75 e_i", fontsize=9)
-            ax.set_xlabel("component (matched first)")
-            ax.set_ylabel("input feature")
-        fig.colorbar(im, ax=axes[0].tolist())
-        written.append(_save(fig, out_dir, "ci_per_feature.png"))
+    def panels(what: str):
+        fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 3.8), squeeze=False,
+                                 layout="constrained")
+        fig.suptitle(f"{title}\n{what}" if title else what, fontsize=10)
+        return fig, axes[0]
 
     U = {s: np.asarray(state.components.U[s]) for s in dec.sites}
     norms = {s: np.linalg.norm(np.asarray(state.components.V[s]), axis=0)
              * np.linalg.norm(U[s], axis=1) for s in dec.sites}  # |V_c| |U_c|
-    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
-    for ax, s in zip(axes[0], dec.sites):
-        ax.bar(np.arange(len(norms[s])), np.sort(norms[s])[::-1])
-        ax.set_title(f"{s}\ncomponent norms |V_c||U_c|", fontsize=9)
+    order = {s: np.argsort(norms[s], kind="stable")[::-1] for s in dec.sites}
+
+    def by_norm(ax, s: str, label: str = "component c, by norm") -> None:
+        ax.set_xlabel(label)
+        if len(order[s]) <= 40:  # readable ticks: each bar's c
+            ax.set_xticks(np.arange(len(order[s])), [str(c) for c in order[s]], fontsize=6,
+                          rotation=90)
+
+    if target.n_features is not None:
+        onehot = jax.device_get(jax.jit(lambda st, t: one_hot_ci(dec, st, t))(state, target))
+        fig, axes = panels("CI on each one-hot input 0.75 e_i")
+        for ax, s in zip(axes, dec.sites):
+            m = np.asarray(onehot[s])
+            rows, cols = linear_sum_assignment(-m)
+            matched = list(cols) + [c for c in range(m.shape[1]) if c not in set(cols)]
+            im = ax.imshow(m[:, matched], vmin=0, vmax=1, cmap="Blues", aspect="auto")
+            ax.set_title(s, fontsize=9)
+            ax.set_xlabel("component c (each feature's best first)")
+            ax.set_ylabel("input feature i")
+            if len(matched) <= 40:
+                ax.set_xticks(np.arange(len(matched)), [str(c) for c in matched], fontsize=6,
+                              rotation=90)
+        fig.colorbar(im, ax=axes.tolist(), label="CI")
+        written.append(_save(fig, out_dir, "ci_per_feature.png"))
+
+    fig, axes = panels("component norms |V_c| |U_c|")
+    for ax, s in zip(axes, dec.sites):
+        ax.bar(np.arange(len(order[s])), norms[s][order[s]])
+        ax.set_title(s, fontsize=9)
         ax.set_yscale("log")
+        ax.set_ylabel("|V_c| |U_c|")
+        by_norm(ax, s)
     written.append(_save(fig, out_dir, "component_norms.png"))
 
-    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
-    for ax, s in zip(axes[0], dec.sites):
-        keep = np.argsort(norms[s])[::-1][: min(len(norms[s]), 12)]
+    fig, axes = panels("U rows (output directions) of the 12 largest "
+                                            "components")
+    for ax, s in zip(axes, dec.sites):
+        keep = order[s][: min(len(order[s]), 12)]
         Uk = U[s][keep]
-        ax.imshow(Uk, cmap="RdBu", aspect="auto", vmin=-np.abs(Uk).max(), vmax=np.abs(Uk).max())
-        ax.set_title(f"{s}\nU rows of the largest components", fontsize=9)
-        ax.set_ylabel("component (by norm)")
-        ax.set_xlabel("d_out")
+        top = float(np.abs(Uk).max()) or 1.0
+        im = ax.imshow(Uk, cmap="RdBu", aspect="auto", vmin=-top, vmax=top,
+                       interpolation="nearest")
+        ax.set_title(s, fontsize=9)
+        ax.set_yticks(np.arange(len(keep)), [str(c) for c in keep], fontsize=7)
+        ax.set_ylabel("component c, by norm")
+        ax.set_xlabel(f"output dim (d_out {Uk.shape[1]})")
+        if Uk.shape[1] <= 40:
+            ax.set_xticks(np.arange(Uk.shape[1]))
+        fig.colorbar(im, ax=ax, label="U[c, j]")
     written.append(_save(fig, out_dir, "component_weights.png"))
 
-    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
-    for ax, s in zip(axes[0], dec.sites):
+    fig, axes = panels("CI values (lower) over the eval batch")
+    for ax, s in zip(axes, dec.sites):
         ax.hist(np.asarray(ci[s]).ravel(), bins=50, range=(0, 1))
         ax.set_yscale("log")
-        ax.set_title(f"{s}\nCI (lower) histogram", fontsize=9)
+        ax.set_title(s, fontsize=9)
+        ax.set_xlabel("CI")
+        ax.set_ylabel("count (positions x components)")
     written.append(_save(fig, out_dir, "ci_histograms.png"))
 
     thr = dec.cfg.eval.ci_alive_threshold
-    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
-    for ax, s in zip(axes[0], dec.sites):
+    fig, axes = panels(f"activation density: the fraction of positions "
+                                             f"with CI > {thr}")
+    for ax, s in zip(axes, dec.sites):
         density = activation_density(np.asarray(ci[s]), thr)
-        ax.bar(np.arange(len(density)), np.sort(density)[::-1], width=1.0)
-        if density.any():  # (matplotlib warns of a log scale with nothing above 0)
-            ax.set_yscale("log")
-        ax.set_title(f"{s}\nactivation density (CI > {thr})", fontsize=9)
-        ax.set_xlabel("component (sorted)")
+        ax.bar(np.arange(len(density)), density[order[s]], width=0.9)
+        ax.set_ylim(0, max(float(density.max()) * 1.1, 1e-3))  # linear: a 0 stays visible
+        ax.set_title(s, fontsize=9)
         ax.set_ylabel("fraction of positions")
+        by_norm(ax, s)
     written.append(_save(fig, out_dir, "activation_density.png"))
     return written
 
