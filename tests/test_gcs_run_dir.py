@@ -266,8 +266,8 @@ def test_cloud_storage_lost_mid_run_ends_it_in_minutes_with_one_line(gcs_emulato
 
 
 def test_a_connection_failure_is_named_as_cloud_storage_out_of_reach():
-    """The classification of the error the client raises for a host that does not answer
-    (the client retries it for ~40 s before, so a run is not the place to show it)."""
+    """The classification of the error the client raises for a host that does not answer,
+    without a run's retries (the run: test_cloud_storage_lost_mid_run_...)."""
     import aiohttp
 
     with socket.socket() as s:  # a port nobody listens on
