@@ -113,6 +113,19 @@ def test_sigterm_resume_on_gcs(gcs_emulator):
     assert checkpoint.digest(run, 2000).overall == checkpoint.digest(straight, 2000).overall
 
 
+def _train_until_a_checkpoint(run: str, args: list[str]) -> subprocess.Popen:
+    """A real `train` on gs:// `run`, returned once its first checkpoint has committed."""
+    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run}", *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while checkpoint.latest_step(run) is None:
+        if time.time() > deadline or p.poll() is not None:
+            p.kill()
+            raise AssertionError(f"no checkpoint committed: {p.communicate()[0][-3000:]}")
+        time.sleep(0.05)
+    return p
+
+
 def test_sigkill_on_gcs_keeps_every_metrics_line_up_to_the_committed_step(gcs_emulator):
     """metrics.jsonl on gs:// is rewritten whole, so lines are buffered; a SIGKILL must not
     lose those of steps a committed checkpoint covers (the resume keeps the lines up to it and
@@ -120,13 +133,8 @@ def test_sigkill_on_gcs_keeps_every_metrics_line_up_to_the_committed_step(gcs_em
     run = gcs_emulator.run_dir()
     args = [*[a.replace("--decomp.steps=8", "--decomp.steps=2000") for a in ARGS],
             "--log.every=50", "--checkpoint.every=500", "--log.tensorboard=false"]
-    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run}", *args]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = _train_until_a_checkpoint(run, args)
     try:
-        deadline = time.time() + 300
-        while checkpoint.latest_step(run) is None:
-            assert time.time() < deadline and p.poll() is None, "no checkpoint committed"
-            time.sleep(0.05)
         p.kill()
         p.communicate(timeout=60)
     finally:
@@ -244,15 +252,10 @@ def test_cloud_storage_lost_mid_run_ends_it_in_minutes_with_one_line(gcs_emulato
     32 retries, then a wait for the save in flight, deaf to SIGTERM), then name the failed
     save instead of the cause."""
     run = gcs_emulator.run_dir()
-    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run}",
-           *[a.replace("--decomp.steps=8", "--decomp.steps=1000000") for a in ARGS],
-           "--checkpoint.every=200", "--log.every=50"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = _train_until_a_checkpoint(run, [
+        *[a.replace("--decomp.steps=8", "--decomp.steps=1000000") for a in ARGS],
+        "--checkpoint.every=200", "--log.every=50"])
     try:
-        deadline = time.time() + 300
-        while checkpoint.latest_step(run) is None:
-            assert time.time() < deadline and p.poll() is None, "no checkpoint committed"
-            time.sleep(0.1)
         gcs_emulator.kill()
         out, _ = p.communicate(timeout=400)  # the retries: ~2 minutes at most
     finally:
