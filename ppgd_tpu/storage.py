@@ -35,7 +35,8 @@ def _gcs_failure(e: BaseException) -> str | None:
     from gcsfs.retry import HttpError
 
     if isinstance(e, (aiohttp.ClientError, TimeoutError)):
-        return f"cannot reach Cloud Storage ({type(e).__name__}: {e}); check the network"
+        detail = str(e) or f"no answer within {GCS_STALL_S} s, retried"
+        return f"cannot reach Cloud Storage ({type(e).__name__}: {detail}); check the network"
     if isinstance(e, google.auth.exceptions.GoogleAuthError):
         return (f"no usable credentials ({e}); run `gcloud auth application-default login` "
                 "or give the VM a service account with storage access")
@@ -136,16 +137,21 @@ def join(path: str, *parts: str) -> str:
 
 
 # Cloud Storage out of reach: tensorstore retries a request 32 times by default (backoff up
-# to 32 s: ~15 minutes of silence before a run fails); these ~2 minutes outlast a blip, and
-# gcsfs (metrics, summaries) gives up on a connection that stalls after GCS_STALL_S.
+# to 32 s: ~15 minutes of silence before a run fails); these ~2 minutes outlast a blip. A
+# connection that stalls fails after GCS_STALL_S (gcsfs: metrics, summaries; tensorstore)
+# and is retried (gcsfs: 6 tries, so ~3.5 minutes for a service that stopped answering).
 GCS_RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "32s"}
-GCS_STALL_S = 120
+GCS_STALL_S = 30
 
 
 def kvstore(path: str) -> dict:
     """The tensorstore kvstore spec for a directory (trailing slash: it is a prefix)."""
     path = normalize(path)
     if is_gcs(path):
+        # a stalled transfer (no byte in GCS_STALL_S) fails and is retried, as in gcsfs; read
+        # when tensorstore makes its HTTP transport, so set before the first gs:// open
+        os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(GCS_STALL_S))
+        os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
         bucket, _, rest = path[len(_GCS):].partition("/")
         return {"driver": "gcs", "bucket": bucket, "path": rest.rstrip("/") + "/",
                 "gcs_request_retries": GCS_RETRIES}

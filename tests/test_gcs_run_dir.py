@@ -284,4 +284,10 @@ def test_a_connection_failure_is_named_as_cloud_storage_out_of_reach():
     with pytest.raises(aiohttp.ClientError) as e:
         asyncio.run(get())
     assert storage._gcs_failure(e.value).startswith("cannot reach Cloud Storage")
+    # a service that stopped answering (frozen): gcsfs's timeout has no message of its own
+    from fsspec.exceptions import FSTimeoutError
+
+    assert storage._gcs_failure(FSTimeoutError()) == (
+        f"cannot reach Cloud Storage (FSTimeoutError: no answer within {storage.GCS_STALL_S} s, "
+        "retried); check the network")
     assert storage._gcs_failure(FileNotFoundError("gs://b/x")) is None  # absent: not this
