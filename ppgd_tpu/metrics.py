@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
+import socket
+import struct
 import sys
-import tempfile
 import threading
 import time
 
@@ -207,7 +207,7 @@ class MetricsWriter:
             storage.write_bytes(self.path, "".join(self.lines).encode())
             self.flushed_at = time.monotonic()
         if self.tb is not None:
-            self.tb.flush(upload=True)
+            self.tb.flush()
 
     def close(self) -> None:
         self.flush()
@@ -216,54 +216,56 @@ class MetricsWriter:
 
 
 class TensorBoard:
-    """Scalars as a TensorBoard event file, written in the caller's thread, so a failed write
-    (a full disk) raises there: tensorboardX's SummaryWriter writes from a thread whose death
-    left every later add_scalar blocked on its full queue, the run hung for good.
+    """Scalars as a TensorBoard event file (TFRecords of Event protos), written in the
+    caller's thread, so a failed write (a full disk) raises there: tensorboardX's
+    SummaryWriter writes from a thread whose death left every later add_scalar blocked on
+    its full queue, the run hung for good.
 
     `purge_step`: a SessionLog START there hides the events of earlier files with a step
-    >= it (a resumed run's redone steps), as TensorBoard reads them.
-
-    On gs:// (which cannot append) the events file is written in a local temp dir and
-    copied whole to `logdir` on flush(upload=True), as often as metrics.jsonl."""
+    >= it (a resumed run's redone steps), as TensorBoard reads them. Each writer has its
+    own file, named to sort after the earlier ones (TensorBoard reads them in name order).
+    A local file is appended event by event; on gs:// (no append) the file is kept in
+    memory and stored whole on flush(), as often as metrics.jsonl."""
 
     def __init__(self, logdir: str, purge_step: int | None):
-        from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto import event_pb2, summary_pb2
 
         self.pb, self.summary_pb = event_pb2, summary_pb2
-        self.remote = logdir if storage.is_gcs(logdir) else None
-        self.local = tempfile.mkdtemp(prefix="ppgd-tb-") if self.remote else logdir
-        os.makedirs(self.local, exist_ok=True)
-        # tensorboardX names files by the second; a writer resumed within it must still
-        # get its own file (gs:// would replace the first), sorted after (TensorBoard reads
-        # files in name order)
-        self.events = EventsWriter(os.path.join(self.local, "events"), f".{time.time_ns()}")
+        self.remote = storage.is_gcs(logdir)
+        if not self.remote:
+            os.makedirs(logdir, exist_ok=True)
+        self.path = storage.join(logdir, f"events.out.tfevents.{int(time.time())}."
+                                         f"{socket.gethostname()}.{time.time_ns()}")
+        self.records = bytearray()  # gs://: the whole file; local: not yet appended
+        self._put(event_pb2.Event(file_version="brain.Event:2"))
         if purge_step is not None:
             self._put(event_pb2.Event(step=purge_step, session_log=event_pb2.SessionLog(
                 status=event_pb2.SessionLog.START)))
 
     def _put(self, event) -> None:
+        from tensorboardX.record_writer import masked_crc32c
+
         event.wall_time = time.time()
-        self.events.write_event(event)
-        self.events.flush()
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self.records += (header + struct.pack("<I", masked_crc32c(header)) + data
+                         + struct.pack("<I", masked_crc32c(data)))
+        if not self.remote:
+            with open(self.path, "ab") as fh:
+                fh.write(self.records)
+            self.records.clear()
 
     def write(self, step: int, scalars: dict) -> None:
         value = self.summary_pb.Summary.Value
         self._put(self.pb.Event(step=int(step), summary=self.summary_pb.Summary(value=[
             value(tag=k, simple_value=float(v)) for k, v in scalars.items()])))
 
-    def flush(self, upload: bool = False) -> None:
-        self.events.flush()
-        if upload and self.remote:
-            for name in os.listdir(self.local):  # this writer's one events file
-                with open(os.path.join(self.local, name), "rb") as fh:
-                    storage.write_bytes(storage.join(self.remote, name), fh.read())
+    def flush(self) -> None:
+        if self.remote:
+            storage.write_bytes(self.path, bytes(self.records))
 
     def close(self) -> None:
-        self.flush(upload=True)
-        self.events.close()
-        if self.remote:
-            shutil.rmtree(self.local, ignore_errors=True)
+        self.flush()
 
 
 class Progress:

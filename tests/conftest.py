@@ -125,16 +125,22 @@ def gcs_emulator():
 def tensorboard_series(tb_dir) -> dict[tuple[str, int], float]:
     """{(tag, step): value} as TensorBoard shows it: event files in name order, and a
     SessionLog START at step s (a resumed writer's purge) hides every earlier event with a
-    step >= s. Records: u64 length, u32 crc, the Event, u32 crc (CRCs not checked)."""
+    step >= s. Records: u64 length, u32 masked crc32c of it, the Event, u32 masked crc32c
+    of it (checked: TensorBoard drops a file from a bad record on)."""
     from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
 
     seen: dict[tuple[str, int], float] = {}
     for name in sorted(os.listdir(tb_dir)):
         data = (tb_dir / name).read_bytes()
         at = 0
         while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
-            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            header, (length,) = data[at:at + 8], struct.unpack("<Q", data[at:at + 8])
+            body = data[at + 12:at + 12 + length]
+            assert struct.unpack("<I", data[at + 8:at + 12])[0] == masked_crc32c(header)
+            assert struct.unpack("<I", data[at + 12 + length:at + 16 + length])[0] == \
+                masked_crc32c(body)
+            event = event_pb2.Event.FromString(body)
             at += 12 + length + 4
             if event.HasField("session_log") and event.session_log.status == \
                     event_pb2.SessionLog.START:
