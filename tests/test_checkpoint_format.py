@@ -197,6 +197,32 @@ def test_save_blocks_only_for_host_copy_and_one_in_flight(tmp_path, monkeypatch)
     assert_bitwise(make_state(1), restore(run_dir, step=2).arrays)
 
 
+@pytest.mark.parametrize("save_ends", ["never", "failing"])
+def test_a_failing_command_waits_a_bounded_time_for_its_save_and_keeps_its_own_error(
+        tmp_path, monkeypatch, save_ends):
+    """Left by an exception (Cloud Storage gone: the save in flight retries for minutes),
+    the saver waits ABANDON_AFTER_S at most, leaves that step uncommitted [C4], and the
+    command's own error is what propagates, not the save's (it used to wait for the save
+    and then raise the save's failure in its place)."""
+    from ppgd_tpu.checkpoint import checkpointer
+
+    run_dir = str(tmp_path / "run")
+    release = threading.Event()
+
+    def stuck_barrier(name):  # the save is stuck (or fails) after its manifest
+        if save_ends == "failing":
+            raise OSError("the save's own failure")
+        assert release.wait(60)
+
+    monkeypatch.setattr(checkpointer, "ABANDON_AFTER_S", 0.5)
+    with pytest.raises(KeyError, match="the command's own error"):
+        with Checkpointer(run_dir, keep_last_n=None, barrier=stuck_barrier) as ckpt:
+            ckpt.save(1, make_state())
+            raise KeyError("the command's own error")
+    assert not mf.is_committed(mf.step_dir(run_dir, 1))
+    release.set()
+
+
 def test_a_committed_step_is_never_rewritten(tmp_path):
     run_dir = str(tmp_path / "run")
     save(run_dir, 1, make_state(0))
