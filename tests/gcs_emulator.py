@@ -17,6 +17,7 @@ import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -49,7 +50,9 @@ class GcsEmulator:
         """A fresh gs:// run directory in the emulator's bucket."""
         return f"gs://{self.bucket}/runs/{uuid.uuid4().hex[:12]}"
 
-    def start(self, attempts: int = 3) -> "GcsEmulator":
+    def start(self, attempts: int = 3, export_env: bool = True) -> "GcsEmulator":
+        """`export_env=False`: a private service for subprocesses given `env` (this process
+        keeps talking to the one it had; gcsfs caches its clients, endpoint included)."""
         for attempt in range(attempts):  # the free port can be taken between probe and bind
             port = _free_port()
             self.url = f"http://127.0.0.1:{port}"
@@ -66,7 +69,7 @@ class GcsEmulator:
             if attempt == attempts - 1:
                 raise RuntimeError(f"fake-gcs-server did not start on {self.url}: {err}")
         self._request("POST", "/storage/v1/b", {"name": self.bucket})
-        for k, v in self.env.items():
+        for k, v in (self.env if export_env else {}).items():
             self._saved_env[k] = os.environ.get(k)
             os.environ[k] = v
         return self
@@ -87,6 +90,12 @@ class GcsEmulator:
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read() or b"{}")
+
+    def names(self, prefix: str) -> list[str]:
+        """The object names under `prefix` (in the bucket), by the JSON API directly."""
+        query = urllib.parse.urlencode({"prefix": prefix})
+        listed = self._request("GET", f"/storage/v1/b/{self.bucket}/o?{query}")
+        return [item["name"] for item in listed.get("items", [])]
 
     def kill(self) -> None:
         """Cloud Storage gone mid-run: the service dies (its data with it); stop() still

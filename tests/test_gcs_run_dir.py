@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import tensorboard_series
+from gcs_emulator import GcsEmulator
 from ppgd_tpu import checkpoint, cli, load_decomposition, storage
 
 ARGS = ["--decomp.steps=8", "--data.batch_size=32", "--eval.batch_size=64", "--eval.every=0",
@@ -246,22 +247,31 @@ def test_storage_that_denies_access_ends_the_run_with_one_line_naming_the_path(t
     assert "permission denied" in last and "storage.objects.get" in last, last
 
 
-def test_cloud_storage_lost_mid_run_ends_it_in_minutes_with_one_line(gcs_emulator):
+def test_cloud_storage_lost_mid_run_ends_it_in_minutes_with_one_line():
     """The service gone after a checkpoint committed: the run ends with status 1 and one
     line naming the path and Cloud Storage. It used to stay silent ~15 minutes (tensorstore's
     32 retries, then a wait for the save in flight, deaf to SIGTERM), then name the failed
-    save instead of the cause."""
-    run = gcs_emulator.run_dir()
-    p = _train_until_a_checkpoint(run, [
-        *[a.replace("--decomp.steps=8", "--decomp.steps=1000000") for a in ARGS],
-        "--checkpoint.every=200", "--log.every=50"])
+    save instead of the cause. A service of its own: the session's must live on."""
+    private = GcsEmulator().start(export_env=False)
+    run = private.run_dir()
+    prefix = run.split("/", 3)[3] + "/ckpts/"
+    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run}",
+           *[a.replace("--decomp.steps=8", "--decomp.steps=1000000") for a in ARGS],
+           "--checkpoint.every=200", "--log.every=50"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, **private.env})
     try:
-        gcs_emulator.kill()
+        deadline = time.time() + 300
+        while not any(n.endswith("/COMMITTED") for n in private.names(prefix)):
+            assert time.time() < deadline and p.poll() is None, "no checkpoint committed"
+            time.sleep(0.1)
+        private.kill()
         out, _ = p.communicate(timeout=400)  # the retries: ~2 minutes at most
     finally:
         if p.poll() is None:
             p.kill()
             p.communicate()
+        private.stop()
     assert p.returncode == 1, out[-3000:]
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"ppgd-tpu: failed: {run}/") and "Cloud Storage" in last, out[-3000:]
