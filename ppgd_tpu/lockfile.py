@@ -60,16 +60,34 @@ def acquire(lock_file: str) -> int | None:
 @contextlib.contextmanager
 def holding(lock_file: str, in_use: Callable[[str], Exception]):
     """Holds `lock_file` (created with its dir) for the `with` block; nothing for a gs://
-    path. Raises in_use(holder) while another process holds it."""
-    fd = None
-    if not storage.is_gcs(lock_file):
-        os.makedirs(os.path.dirname(lock_file) or ".", exist_ok=True)
-        try:
-            fd = acquire(lock_file)
-        except Held as e:
-            raise in_use(e.holder) from None
+    path. Raises in_use(holder) while another process holds it. Left by an exception (a
+    refused input), it removes the lock file and the dir it made for it, if still empty:
+    a refused command leaves nothing behind. (A process that opens the file meanwhile is
+    refused by the flock, or gets a new file once this one is gone: either is right.)"""
+    if storage.is_gcs(lock_file):
+        yield
+        return
+    folder = os.path.abspath(os.path.dirname(lock_file) or ".")
+    made, up = [], folder  # the dirs makedirs creates, deepest first
+    while not os.path.exists(up):
+        made.append(up)
+        up = os.path.dirname(up)
+    new_file = not os.path.exists(lock_file)
+    os.makedirs(folder, exist_ok=True)
+    try:
+        fd = acquire(lock_file)
+    except Held as e:
+        raise in_use(e.holder) from None
     try:
         yield
+    except BaseException:
+        if new_file:
+            with contextlib.suppress(OSError):
+                os.remove(lock_file)
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)  # only if empty
+        raise
     finally:
         if fd is not None:
             os.close(fd)

@@ -65,7 +65,8 @@ def test_pretrain_loss_falls_and_the_file_loads_back(store, tmp_path):
 
 
 def test_pretrain_refuses_what_the_lm_cannot_read(store, tmp_path):
-    out = str(tmp_path / "lm.safetensors")
+    """... and a refusal leaves nothing: no lock file, no dir made for the output."""
+    out = str(tmp_path / "new" / "dirs" / "lm.safetensors")
     with pytest.raises(ConfigError, match="vocab_size: 100 is smaller"):
         lm_pretrain.main([*TINY, "--target.llama_simple_mlp.vocab_size=100", "--store", store,
                           "--output", out])
@@ -74,6 +75,7 @@ def test_pretrain_refuses_what_the_lm_cannot_read(store, tmp_path):
                           "--output", out])
     with pytest.raises(ConfigError, match="--store: no token store"):
         lm_pretrain.main([*TINY, "--store", str(tmp_path / "nope"), "--output", out])
+    assert sorted(os.listdir(tmp_path)) == []
     os.makedirs(lm_pretrain.metrics_path(out))  # its log goes beside it: checked up front
     with pytest.raises(UsageError, match="--output: .*lm.safetensors needs .*lm.metrics.jsonl "
                                          "beside it, but .* exists and is not a file"):

@@ -299,3 +299,7 @@ def test_a_tokenize_into_a_store_another_one_is_writing_is_refused(tmp_path, cap
         holder.communicate("")
     assert main(args) == 0
     assert TokenStore.open(str(out)).n_rows == (600 + 1) // 8  # the bytes and an EOS
+    (tmp_path / "empty.txt").write_text("")  # refused after the lock: it leaves nothing
+    assert main(["--input", str(tmp_path / "empty.txt"), "--output", str(tmp_path / "s2"),
+                 "--seq_len", "8"]) == 2
+    assert not (tmp_path / "s2").exists()
