@@ -178,7 +178,7 @@ def _wait(children: list[subprocess.Popen], exits: queue.Queue[tuple[int, int]],
           forwarded: list[str]) -> int:
     """Block until every child exits 0, or until the first failure (then kill the rest). A
     child that ends with 130/143 after a forwarded signal was stopped by it, before its
-    loop (every child ends so), not failed."""
+    loop or after its last step (every child ends so), not failed."""
     for _ in children:
         while True:
             try:  # a timeout keeps the main thread responsive to forwarded signals
@@ -190,8 +190,9 @@ def _wait(children: list[subprocess.Popen], exits: queue.Queue[tuple[int, int]],
             how = (f"was killed by signal {-rc} ({_exit_code(rc)})" if rc < 0
                    else f"exited with code {rc}")
             if forwarded and rc in (130, 143):
-                _say(f"the {forwarded[0]} stopped the job before its loop (nothing saved; "
-                     f"exit {rc})")
+                _say(f"the {forwarded[0]} stopped the job before its loop (nothing saved) or "
+                     f"after its last step (its checkpoint committed); exit {rc}. Re-run the "
+                     "same command to start, resume or finish it")
             else:
                 _say(f"process p{index} {how}; killing the others")
             for c in children:
