@@ -135,26 +135,32 @@ def mmcs(V: np.ndarray, U: np.ndarray, W: np.ndarray) -> float:
     return float(np.mean(np.max(cos, axis=1)))
 
 
-# A component whose weight V[:, c] U[c, :] has under this share of the largest one's norm
-# is negligible: it cannot be a feature's best (its direction is noise) in ml2r.
-NEGLIGIBLE_NORM = 1e-3
+# For one feature, a component whose part of its row, |V[f, c]| |U[c, :]|, is under this
+# share of the largest part cannot be that feature's best (ml2r): its direction is noise
+# however well it points. A feature row of W this small (relative to the largest) has no
+# scale to rebuild and is left out of the mean.
+NEGLIGIBLE = 0.1
+DEAD_ROW = 1e-6
 
 
 def ml2r(V: np.ndarray, U: np.ndarray, W: np.ndarray) -> float:
     """Mean L2 ratio (TOYS.md): mean over rows f of W of |V[f, c]| |U[c, :]| / |W[f, :]|,
-    c the row's best component by cosine (as in mmcs) among the non-negligible ones; 1 when
-    the best components rebuild each feature at its own scale, what MMCS cannot see."""
-    size = np.linalg.norm(V, axis=0) * np.linalg.norm(U, axis=1)  # |V[:, c] U[c, :]|
-    keep = size >= NEGLIGIBLE_NORM * size.max() if size.max() > 0 else np.zeros_like(size, bool)
-    if not keep.any():
-        return 0.0
-    V, U = V[:, keep], U[keep]
+    c the row's best component by cosine (as in mmcs) among its non-negligible parts; 1
+    when each feature's best component rebuilds it at its own scale, which MMCS cannot see.
+    0.0 when no row has a component or W is all zero."""
     u_norm = np.linalg.norm(U, axis=1)
     w_norm = np.linalg.norm(W, axis=1)
-    cos = np.sign(V) * ((W / (w_norm[:, None] + 1e-12)) @ (U / (u_norm[:, None] + 1e-12)).T)
-    best = np.argmax(cos, axis=1)
-    rows = np.arange(W.shape[0])
-    return float(np.mean(np.abs(V[rows, best]) * u_norm[best] / (w_norm + 1e-12)))
+    rows = np.flatnonzero(w_norm > DEAD_ROW * w_norm.max()) if w_norm.max() > 0 else []
+    ratios = []
+    for f in rows:
+        part = np.abs(V[f]) * u_norm  # |V[f, c] U[c, :]| per component
+        if part.max() == 0:
+            ratios.append(0.0)
+            continue
+        cos = np.sign(V[f]) * (U @ W[f]) / (u_norm * w_norm[f] + 1e-30)
+        cos[part < NEGLIGIBLE * part.max()] = -np.inf
+        ratios.append(part[np.argmax(cos)] / w_norm[f])
+    return float(np.mean(ratios)) if ratios else 0.0
 
 
 MMCS_RECOVERED = 0.99  # the SPD paper's bar for TMS (Table 1), the foundation issue's too

@@ -74,15 +74,25 @@ def test_neuron_alignment_is_one_for_components_reading_one_neuron_each():
 
 def test_ml2r_is_the_best_components_norm_over_the_features_and_ignores_negligible_ones():
     """TOYS.md's mean L2 ratio on hand-built components: feature rows of W rebuilt by one
-    component each at a known scale; a tiny component pointing exactly along a feature
-    (it would win the cosine argmax) is not that feature's best."""
+    component each at a known scale. A part of a row too small to matter is not that
+    feature's best however well it points: a tiny component exactly along feature 0, and a
+    component large for feature 1 whose share of feature 0 is tiny."""
     W = np.array([[3.0, 0.0, 0.0], [0.0, 2.0, 0.0]])  # 2 features, d_out 3
     V = np.array([[1.5, 0.0, 1e-6], [0.0, -4.0, 0.0]])  # [2, C=3]
     U = np.array([[0.96, 0.28, 0.0],   # feature 0, slightly off its direction: |U| 1
                   [0.0, -1.0, 0.0],    # feature 1 with a sign flip in V: rebuilt at 2x
-                  [1.0, 0.0, 0.0]])    # negligible (norm 1e-6), exactly along feature 0
+                  [1.0, 0.0, 0.0]])    # tiny (1e-6), exactly along feature 0
     # feature 0: |1.5| * 1 / 3 = 0.5; feature 1: |-4| * 1 / 2 = 2
     assert np.isclose(eval_lib.ml2r(V, U, W), (0.5 + 2.0) / 2)
     assert np.isclose(eval_lib.mmcs(V, U, W), 1.0)  # the tiny one wins MMCS's argmax
+    # a 4th component, large (5) for feature 1, points exactly along feature 0 and reads
+    # it a little (0.01): it wins feature 0's cosine, but is not its best
+    V2 = np.hstack([V, [[0.01], [5.0]]])
+    U2 = np.vstack([U, [1.0, 0.0, 0.0]])
+    assert np.isclose(eval_lib.ml2r(V2, U2, W), (0.5 + 2.0) / 2)
     assert np.isclose(eval_lib.ml2r(V[:, 2:], U[2:], W), 1e-6 / 3 / 2)  # alone, it counts
     assert eval_lib.ml2r(np.zeros((2, 3)), U, W) == 0.0
+    # a dead feature row (no scale to rebuild) is left out, not divided by ~0
+    W3 = np.array([[3.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 1e-9]])
+    V3 = np.vstack([V, [0.0, 0.0, 1e-3]])
+    assert np.isclose(eval_lib.ml2r(V3, U, W3), (0.5 + 2.0) / 2)
