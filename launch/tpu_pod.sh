@@ -246,11 +246,11 @@ check_opts() {
   done
   ((${#SSH_NET[@]} < 2)) || [[ ${SSH_NET[0]} == "${SSH_NET[1]}" ]] \
     || die "give --internal-ip or --tunnel-through-iap, not both"
-  if [[ $CMD == run && -z $RUN_DIR ]]; then
+  if [[ ($CMD == run || $CMD == watch) && -z $RUN_DIR ]]; then
     for a in ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"}; do
       [[ $a != --run_dir && $a != --run_dir=* ]] || die "give --run_dir gs://B/R to $PROG, before '--' (it checks that every worker shares it, and copies the logs there)"
     done
-    die "--run_dir gs://B/R is required: without it each worker would write train's default runs/<name>-<stamp> on its own disk"
+    [[ $CMD != run ]] || die "--run_dir gs://B/R is required: without it each worker would write train's default runs/<name>-<stamp> on its own disk"
   fi
   SCOPE=("--zone=$ZONE")
   [[ -z $PROJECT ]] || SCOPE+=("--project=$PROJECT")

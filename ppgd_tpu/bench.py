@@ -263,9 +263,9 @@ def _xla_gflop(compiled) -> float:
 
 
 def _paired_rounds(trainer, steps: dict, n: int) -> tuple[dict, dict]:
-    """Per-step seconds of each {name: (step fn, state)} on the same data, in rounds of 20
-    steps (all n, when fewer) alternating which goes first (machine noise moves them
-    alike); -> ({name: [s per round]}, {name: GFLOP per step}). Each is compiled as the
+    """Per-step seconds of each {name: (step fn, state)} on the same data, in n // 20
+    rounds of 20 steps (one round of all n when n < 20) alternating which goes first
+    (machine noise moves them alike); -> ({name: [s per round]}, {name: GFLOP per step}). Each is compiled as the
     loop jits its steps, donating its own copy of the state (a donated state's outputs are
     written into its buffers: with the live-rows switch that is one more pass over each
     `bsc` adversary array)."""

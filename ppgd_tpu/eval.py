@@ -228,9 +228,10 @@ def recovery_note(summary: dict) -> str | None:
 def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: str,
             title: str = "") -> list[str]:
     """CI per input feature (heatmaps), component norms and weights, CI histograms and
-    activation densities -> PNG files, each titled `title` (the run and step). Every
-    per-component figure orders a site's components the same way, by norm |V_c| |U_c|, and
-    names each by its index c (as in the checkpoint), so one can be followed across them."""
+    activation densities -> PNG files, each titled `title` (the run and step). The norm,
+    weight and density figures order a site's components the same way, by norm
+    |V_c| |U_c|, and (up to 40 of them) name each by its index c, as in the checkpoint, so
+    one can be followed across them; the CI heatmap puts each feature's best one first."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -253,11 +254,13 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
              * np.linalg.norm(U[s], axis=1) for s in dec.sites}  # |V_c| |U_c|
     order = {s: np.argsort(norms[s], kind="stable")[::-1] for s in dec.sites}
 
-    def by_norm(ax, s: str, label: str = "component c, by norm") -> None:
-        ax.set_xlabel(label)
+    def by_norm(ax, s: str) -> None:
         if len(order[s]) <= 40:  # readable ticks: each bar's c
+            ax.set_xlabel("component c, by norm")
             ax.set_xticks(np.arange(len(order[s])), [str(c) for c in order[s]], fontsize=6,
                           rotation=90)
+        else:
+            ax.set_xlabel("rank of the component by norm")
 
     if target.n_features is not None:
         onehot = jax.device_get(jax.jit(lambda st, t: one_hot_ci(dec, st, t))(state, target))
@@ -268,11 +271,13 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
             matched = list(cols) + [c for c in range(m.shape[1]) if c not in set(cols)]
             im = ax.imshow(m[:, matched], vmin=0, vmax=1, cmap="Blues", aspect="auto")
             ax.set_title(s, fontsize=9)
-            ax.set_xlabel("component c (each feature's best first)")
             ax.set_ylabel("input feature i")
             if len(matched) <= 40:
+                ax.set_xlabel("component c (each feature's best first)")
                 ax.set_xticks(np.arange(len(matched)), [str(c) for c in matched], fontsize=6,
                               rotation=90)
+            else:
+                ax.set_xlabel("components, each feature's best first")
         fig.colorbar(im, ax=axes.tolist(), label="CI")
         written.append(_save(fig, out_dir, "ci_per_feature.png"))
 

@@ -210,9 +210,7 @@ class MetricsWriter:
             self.tb.flush()
 
     def close(self) -> None:
-        self.flush()
-        if self.tb is not None:
-            self.tb.close()
+        self.flush()  # TensorBoard's file too: it needs nothing more
 
 
 class TensorBoard:
@@ -263,9 +261,6 @@ class TensorBoard:
     def flush(self) -> None:
         if self.remote:
             storage.write_bytes(self.path, bytes(self.records))
-
-    def close(self) -> None:
-        self.flush()
 
 
 class Progress:

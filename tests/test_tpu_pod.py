@@ -144,6 +144,8 @@ def test_every_subcommand_has_help_and_calls_no_gcloud(tmp_path):
     (["run", *BASE, "--", "x"], "--run_dir gs://B/R is required: without it each worker"),
     (["run", *BASE, "--", "--run_dir=/local/dir"], "give --run_dir gs://B/R to tpu_pod.sh, "
                                                    "before '--'"),
+    (["watch", *BASE, "--accelerator-type", "v4-32", "--", "--run_dir", "gs://b/r"],
+     "give --run_dir gs://B/R to tpu_pod.sh, before '--'"),
     (["run", *BASE, "--env", "no-equals"], "--env 'no-equals' is not KEY=VALUE"),
     (["run", *BASE, "--coordinator-port", "99999"], "--coordinator-port '99999' is not a port"),
     (["run", *BASE, "--spot"], "option --spot does not apply to 'run'"),
