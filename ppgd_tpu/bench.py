@@ -265,10 +265,10 @@ def _xla_gflop(compiled) -> float:
 def _paired_rounds(trainer, steps: dict, n: int) -> tuple[dict, dict]:
     """Per-step seconds of each {name: (step fn, state)} on the same data, in n // 20
     rounds of 20 steps (one round of all n when n < 20) alternating which goes first
-    (machine noise moves them alike); -> ({name: [s per round]}, {name: GFLOP per step}). Each is compiled as the
-    loop jits its steps, donating its own copy of the state (a donated state's outputs are
-    written into its buffers: with the live-rows switch that is one more pass over each
-    `bsc` adversary array)."""
+    (machine noise moves them alike); -> ({name: [s per round]}, {name: GFLOP per step}).
+    Each is compiled as the loop jits its steps, donating its own copy of the state (a
+    donated state's outputs are written into its buffers: with the live-rows switch that
+    is one more pass over each `bsc` adversary array)."""
     batch0 = trainer.batch(0)
     steps = {k: (jax.jit(f, donate_argnums=0).lower(st, trainer.target, batch0).compile(),
                  jax.tree.map(jnp.copy, st)) for k, (f, st) in steps.items()}

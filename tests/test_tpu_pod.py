@@ -319,7 +319,8 @@ def test_run_refuses_a_subset_of_workers(tmp_path):
     assert r.rc == 2 and "--worker is refused: 'run' always uses every worker" in r.err and r.calls == []
 
     (tmp_path / "b").mkdir()
-    r = Launch(tmp_path / "b", ["run", *BASE, "--run_dir", "gs://b/r", "--", "x"], {"workers": 4, "unreachable": [3]})
+    r = Launch(tmp_path / "b", ["run", *BASE, "--run_dir", "gs://b/r", "--", "x"],
+               {"workers": 4, "unreachable": [3]})
     assert r.rc == 2
     assert "preflight failed on worker(s) 3 of 4" in r.err and "refusing to start on a subset" in r.err
     assert r.trains() == [] and not any("PPGD_COORDINATOR_PORT" in cmd for cmd in r.ssh())
