@@ -182,6 +182,7 @@ def exists(path: str) -> bool:
     return fs.exists(p)
 
 
+@_reports_path
 def is_dir(path: str) -> bool:
     """A local directory, or a gs:// prefix that holds objects."""
     fs, p = _fs_and_path(path)
