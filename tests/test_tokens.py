@@ -303,3 +303,20 @@ def test_a_tokenize_into_a_store_another_one_is_writing_is_refused(tmp_path, cap
     assert main(["--input", str(tmp_path / "empty.txt"), "--output", str(tmp_path / "s2"),
                  "--seq_len", "8"]) == 2
     assert not (tmp_path / "s2").exists()
+
+
+def test_a_store_rewritten_while_it_is_read_is_said_so_not_called_damaged(tmp_path):
+    """A `tokenize` run again on a store that a pretrain or train is reading moves its rows
+    (the other array dir) and deletes the old ones: the reader's next read fails. It says
+    the store was rewritten and to run again (the run resumes), not that it is damaged."""
+    (tmp_path / "a.txt").write_text("hello world " * 50)
+    out = str(tmp_path / "store")
+    args = ["--input", str(tmp_path / "a.txt"), "--output", out, "--seq_len", "8"]
+    assert main(args) == 0
+    reader = TokenStore.open(out)
+    reader.read_rows([0, 1])
+    assert main(args) == 0  # the same rows, into the other array dir
+    with pytest.raises(tokens.DamagedStoreError, match="was rewritten .* while this command "
+                       "read it; run this command again") as e:
+        reader.read_rows([0, 1])
+    assert "re-run `ppgd-tpu tokenize`" not in str(e.value)

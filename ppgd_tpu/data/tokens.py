@@ -266,7 +266,18 @@ class TokenStore:
             raise self._damaged_read(unique, e) from None
 
     def _damaged_read(self, rows: np.ndarray, error: Exception) -> DamagedStoreError:
-        """The shard files a failed read of `rows` touched that fail on their own."""
+        """The shard files a failed read of `rows` touched that fail on their own; or, when
+        another tokenize rewrote the store meanwhile (its rows moved), that."""
+        try:
+            now = json.loads(storage.read_bytes(_join(self.path, META_FILE)))
+        except (OSError, ValueError):
+            now = None
+        if isinstance(now, dict) and (now.get("store_id"), now.get("array_dir")) != (
+                self.meta.get("store_id"), self.meta.get("array_dir")):
+            return DamagedStoreError(
+                f"{self.path} was rewritten (by another `ppgd-tpu tokenize`) while this "
+                "command read it; run this command again (a run resumes from its last "
+                "checkpoint if the rows are the same, and is refused if they are not)")
         shards = np.unique(rows // self.rows_per_shard)
         bad = []
         for s in shards:
@@ -275,8 +286,8 @@ class TokenStore:
             except ValueError:
                 bad.append(_join(self.tokens_dir, self._shard_key(int(s))))
         where = ", ".join(bad) if bad else f"the shards of {self.tokens_dir}"
-        return DamagedStoreError(f"{where}: cannot read token rows ({storage.short_error(error)}); "
-                                 f"{REWRITE}")
+        return DamagedStoreError(f"{where}: cannot read token rows "
+                                 f"({storage.short_error(error)}); {REWRITE}")
 
 
 def foreign_files(path: str) -> list[str]:
