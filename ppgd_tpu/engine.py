@@ -310,9 +310,10 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                 print(f"stopped at step {done} ({stop.reason}); checkpoint committed in "
                       f"{rd.path}/ckpts/{done}. Resume with the same command.")
                 return {}
-    except metrics_lib.Diverged:  # the metrics so far (the bad line included) stay
-        progress.close()
-        writer.close()
+    except BaseException as e:
+        progress.close()  # its line ends before the error's
+        if isinstance(e, metrics_lib.Diverged):  # the metrics so far (the bad line) stay
+            writer.close()
         raise
     progress.close()
     writer.close()

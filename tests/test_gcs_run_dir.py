@@ -257,7 +257,8 @@ def test_cloud_storage_lost_mid_run_ends_it_in_minutes_with_one_line():
     prefix = run.split("/", 3)[3] + "/ckpts/"
     cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run}",
            *[a.replace("--decomp.steps=8", "--decomp.steps=1000000") for a in ARGS],
-           "--checkpoint.every=200", "--log.every=50"]
+           "--checkpoint.every=200", "--log.every=50", "--log.progress=true"]  # (a bar's
+    # line, not a terminal's: the error's line must still start a line of its own)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env={**os.environ, **private.env})
     try:
