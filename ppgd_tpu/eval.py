@@ -243,11 +243,11 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
     ci = {s: _to_host(x) for s, x in lower(state, target, batch).items()}
     n = len(dec.sites)
 
-    def panels(what: str):
-        fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 3.8), squeeze=False,
+    def panels(what: str, rows: int = 1):
+        fig, axes = plt.subplots(rows, n, figsize=(4.5 * n, 3.8 * rows), squeeze=False,
                                  layout="constrained")
         fig.suptitle(f"{title}\n{what}" if title else what, fontsize=10)
-        return fig, axes[0]
+        return fig, (axes[0] if rows == 1 else axes)
 
     U = {s: np.asarray(state.components.U[s]) for s in dec.sites}
     norms = {s: np.linalg.norm(np.asarray(state.components.V[s]), axis=0)
@@ -290,21 +290,25 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
         by_norm(ax, s)
     written.append(_save(fig, out_dir, "component_norms.png"))
 
-    fig, axes = panels("U rows (output directions) of the 12 largest "
-                                            "components")
-    for ax, s in zip(axes, dec.sites):
+    # both sides: a toy's features sit on V's side of one site and U's of the next, and the
+    # narrow side of a ResidMLP site (d_mlp) is the readable one
+    fig, axes = panels("the 12 largest components: V[:, c] (what c reads) and U[c, :] (what "
+                       "it writes)", rows=2)
+    for col, s in enumerate(dec.sites):
         keep = order[s][: min(len(order[s]), 12)]
-        Uk = U[s][keep]
-        top = float(np.abs(Uk).max()) or 1.0
-        im = ax.imshow(Uk, cmap="RdBu", aspect="auto", vmin=-top, vmax=top,
-                       interpolation="nearest")
-        ax.set_title(s, fontsize=9)
-        ax.set_yticks(np.arange(len(keep)), [str(c) for c in keep], fontsize=7)
-        ax.set_ylabel("component c, by norm")
-        ax.set_xlabel(f"output dim (d_out {Uk.shape[1]})")
-        if Uk.shape[1] <= 40:
-            ax.set_xticks(np.arange(Uk.shape[1]))
-        fig.colorbar(im, ax=ax, label="U[c, j]")
+        sides = (("V[:, c]", "input dim (d_in", np.asarray(state.components.V[s]).T[keep]),
+                 ("U[c, :]", "output dim (d_out", U[s][keep]))
+        for ax, (name, dim, w) in zip(axes[:, col], sides):
+            top = float(np.abs(w).max()) or 1.0
+            im = ax.imshow(w, cmap="RdBu", aspect="auto", vmin=-top, vmax=top,
+                           interpolation="nearest")
+            ax.set_title(f"{s}: {name}", fontsize=9)
+            ax.set_yticks(np.arange(len(keep)), [str(c) for c in keep], fontsize=7)
+            ax.set_ylabel("component c, by norm")
+            ax.set_xlabel(f"{dim} {w.shape[1]})")
+            if w.shape[1] <= 40:
+                ax.set_xticks(np.arange(w.shape[1]))
+            fig.colorbar(im, ax=ax, label=name)
     written.append(_save(fig, out_dir, "component_weights.png"))
 
     fig, axes = panels("CI values (lower) over the eval batch")
