@@ -265,6 +265,9 @@ class LogConfig:
     every: int = _f(100, "metrics.jsonl cadence in global steps", lo=1)
     progress: bool = _f(True, "console progress bar")
     tensorboard: bool = _f(True, "TensorBoard event files in RUN_DIR/tb")
+    profile_start: int = _f(-1, "trace the log.profile_steps steps after this global step with "
+                            "jax.profiler into RUN_DIR/profile (-1 = off)", lo=-1)
+    profile_steps: int = _f(5, "steps in the profile window", lo=1)
 
 
 @dataclass(frozen=True)
@@ -656,6 +659,10 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(
                 f"{sched_path}.warmup_steps: {sched.warmup_steps} leaves no decay steps "
                 f"(decomp.steps = {cfg.decomp.steps}); it must be below decomp.steps [S20]")
+    if cfg.log.profile_start >= cfg.decomp.steps:
+        raise ConfigError(
+            f"log.profile_start: {cfg.log.profile_start} leaves no step to trace (decomp.steps "
+            f"= {cfg.decomp.steps}); use -1 (off) or 0 .. {cfg.decomp.steps - 1}")
     imp = cfg.loss.imp_min
     g = imp.gamma
     if imp.kind == "smooth_l0" and (g.value <= 0 or g.warmup_steps > 0

@@ -30,6 +30,7 @@ from ppgd_tpu.decomp.components import resolve_sites, resolve_ties
 from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import Decomposer, TrainState
 from ppgd_tpu.targets import build as target_build
+from ppgd_tpu.trace import StepTrace
 from ppgd_tpu.workspace import DECOMPOSITION, FIGURES, RunDir
 
 
@@ -272,44 +273,49 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                    meta={"log_window": metrics_lib.window_carry(window)})
 
     in_flight = collections.deque()
+    trace = StepTrace(rd.path, cfg.log.profile_start, cfg.log.profile_steps, start,
+                      say=progress.say)
     try:
-        for s in range(start, steps):
-            state, m = replay.step(s, state, trainer.target, trainer.batch(s // k))
-            window.append(m)
-            done = s + 1
-            if jax.process_count() > 1:  # bound the steps in flight (gloo deadlocks past ~16)
-                in_flight.append(m["train/loss/total"])
-                if len(in_flight) > MAX_IN_FLIGHT:
-                    in_flight.popleft().block_until_ready()
-            if done % cfg.log.every == 0 or done == steps:
-                window = [metrics_lib.to_host(w) for w in jax.device_get(window)]
-                values = dict(window[-1])
-                values.update(metrics_lib.window_stats(window))
-                values["train/replay/window_position"] = s % k
-                values["train/replay/ci_updated"] = int(replay.ci_updated(s))
-                now, compile_s = time.perf_counter(), compiling.take()
-                values["train/perf/compile_s"] = compile_s
-                values["train/perf/step_time_s"] = (now - t_last - compile_s) / (done - s_last)
-                progress.update(done - s_last, values["train/loss/total"])
-                t_last, s_last, window = now, done, []
-                writer.write(done, values)
-                check_finite(done, values, ("train/loss/",))
-            if cfg.eval.every and done % cfg.eval.every == 0 and done != steps:
-                writer.write(done, trainer.evaluate(state, done))
-            saved = False
-            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != steps:
-                save(done, state)
-                saved = True
-            if done != steps and stop.should_stop(done):  # [C5] every process, the same step
-                if not saved:
+        with trace:
+            for s in range(start, steps):
+                trace.before(s)
+                state, m = replay.step(s, state, trainer.target, trainer.batch(s // k))
+                trace.after(s + 1, state)
+                window.append(m)
+                done = s + 1
+                if jax.process_count() > 1:  # bound the steps in flight (gloo deadlocks past ~16)
+                    in_flight.append(m["train/loss/total"])
+                    if len(in_flight) > MAX_IN_FLIGHT:
+                        in_flight.popleft().block_until_ready()
+                if done % cfg.log.every == 0 or done == steps:
+                    window = [metrics_lib.to_host(w) for w in jax.device_get(window)]
+                    values = dict(window[-1])
+                    values.update(metrics_lib.window_stats(window))
+                    values["train/replay/window_position"] = s % k
+                    values["train/replay/ci_updated"] = int(replay.ci_updated(s))
+                    now, compile_s = time.perf_counter(), compiling.take()
+                    values["train/perf/compile_s"] = compile_s
+                    values["train/perf/step_time_s"] = (now - t_last - compile_s) / (done - s_last)
+                    progress.update(done - s_last, values["train/loss/total"])
+                    t_last, s_last, window = now, done, []
+                    writer.write(done, values)
+                    check_finite(done, values, ("train/loss/",))
+                if cfg.eval.every and done % cfg.eval.every == 0 and done != steps:
+                    writer.write(done, trainer.evaluate(state, done))
+                saved = False
+                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != steps:
                     save(done, state)
-                saver.wait()
-                dist.barrier(f"stopped_{done}")
-                progress.close()
-                writer.close()
-                print(f"stopped at step {done} ({stop.reason}); checkpoint committed in "
-                      f"{rd.path}/ckpts/{done}. Resume with the same command.")
-                return {}
+                    saved = True
+                if done != steps and stop.should_stop(done):  # [C5] every process, the same step
+                    if not saved:
+                        save(done, state)
+                    saver.wait()
+                    dist.barrier(f"stopped_{done}")
+                    progress.close()
+                    writer.close()
+                    print(f"stopped at step {done} ({stop.reason}); checkpoint committed in "
+                          f"{rd.path}/ckpts/{done}. Resume with the same command.")
+                    return {}
     except BaseException as e:
         progress.close()  # its line ends before the error's
         if isinstance(e, metrics_lib.Diverged):  # the metrics so far (the bad line) stay

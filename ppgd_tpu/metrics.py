@@ -280,6 +280,13 @@ class Progress:
                 self.bar.set_postfix(loss=f"{loss:.3e}", refresh=False)
             self.bar.update(n)
 
+    def say(self, line: str) -> None:
+        """Prints `line` above the bar (not glued to it)."""
+        if self.bar is None:
+            print(line)
+        else:
+            self.bar.write(line, file=sys.stdout)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -25,6 +25,7 @@ from ppgd_tpu import dist, lockfile, storage
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu.checkpoint import manifest
 from ppgd_tpu.config import Config, ConfigError
+from ppgd_tpu.trace import PROFILE
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -206,7 +207,7 @@ class RunDir:
         """Why the files a resumed run appends to could not be used: a metrics.jsonl
         damaged before its last line, or a file where the run keeps a directory."""
         for where in (self.file(metrics_lib.TENSORBOARD), self.file(FIGURES),
-                      manifest.ckpts_dir(self.path)):
+                      self.file(PROFILE), manifest.ckpts_dir(self.path)):
             if not storage.is_gcs(self.path) and os.path.isfile(where):
                 return (f"--run_dir: {where} is a file; the run keeps a directory there: "
                         "move the file away to resume")

@@ -62,6 +62,8 @@ def _run(argv, capsys):
     (["--decomp.lr_components.kind=linear", "--decomp.lr_components.warmup_steps=20000"],
      "decomp.lr_components.warmup_steps"),
     (["stray"], "unexpected arguments"),
+    (["--log.profile_start=20000"], "log.profile_start: 20000 leaves no step to trace "
+                                    "(decomp.steps = 20000); use -1 (off) or 0 .. 19999"),
     (["--decomp.sites.linear1=x"], "decomp.sites.linear1: 'x' is not an integer"),
     (["--decomp.sites.lin*=3"], "decomp.sites.lin*: decides no site: each one it matches is "
                                 "decided by an exact name or an earlier pattern (linear1 by "

@@ -27,8 +27,9 @@ ARGS = ["--decomp.steps=8", "--data.batch_size=32", "--eval.batch_size=64", "--e
 
 def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator, tmp_path):
     run = gcs_emulator.run_dir()
+    profile = ["--log.profile_start=2", "--log.profile_steps=2"]
     assert cli.run(["train", f"--run_dir={run}", "--checkpoint.every=2",
-                    "--checkpoint.keep_last_n=10", *ARGS]) == 0
+                    "--checkpoint.keep_last_n=10", *profile, *ARGS]) == 0
     summary = json.loads(storage.read_bytes(f"{run}/summary.json"))
     assert summary["step"] == 8 and "eval/recon/zero" in summary
     rows = [json.loads(r) for r in storage.read_bytes(f"{run}/metrics.jsonl").splitlines()]
@@ -44,6 +45,10 @@ def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator, tmp_path):
     comps = load_decomposition(run)
     assert comps["linear1"]["V"].shape == (5, 20)
     want = checkpoint.digest(run, 8).overall
+    traced = f"{run}/profile/plugins/profile/step_2"
+    host = f"{socket.gethostname()}-p0"
+    assert storage.list_entries(traced) == [f"{host}.trace.json.gz", f"{host}.xplane.pb"]
+    trace = storage.read_bytes(f"{traced}/{host}.trace.json.gz")
 
     # Interrupt: drop the end of the run, and leave a newer checkpoint that never committed
     # (a process killed mid-save): it is ignored, the last committed one (6) restores.
@@ -52,8 +57,12 @@ def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator, tmp_path):
     storage.remove_tree(f"{run}/ckpts/8")
     storage.write_bytes(f"{run}/ckpts/8/manifest.json", b"{partial")
     assert checkpoint.latest_step(run) == 6
-    assert cli.run(["train", f"--run_dir={run}", "--checkpoint.every=2", *ARGS]) == 0
+    assert cli.run(["train", f"--run_dir={run}", "--checkpoint.every=2", *profile,
+                    *ARGS]) == 0
     assert checkpoint.digest(run, 8).overall == want
+    # resumed after the window: no second trace
+    assert storage.list_entries(traced) == [f"{host}.trace.json.gz", f"{host}.xplane.pb"]
+    assert storage.read_bytes(f"{traced}/{host}.trace.json.gz") == trace
     again = [json.loads(r) for r in storage.read_bytes(f"{run}/metrics.jsonl").splitlines()]
     assert [r["step"] for r in again] == [2, 4, 6, 8, 8] and again[-1] == rows[-1]
     # the resumed writer's events (a second file) hide the redone step 8's, as locally [C3]

@@ -226,7 +226,7 @@ def test_G_a_metrics_jsonl_damaged_before_its_last_line_is_refused_naming_the_li
     assert _train(run) == 0 and (run / "summary.json").exists()
 
 
-@pytest.mark.parametrize("name", ["tb", "figures", "ckpts"])
+@pytest.mark.parametrize("name", ["tb", "figures", "profile", "ckpts"])
 def test_G_a_file_where_the_run_keeps_a_directory_is_refused_naming_it(run, empty_cache,
                                                                          capsys, name):
     path = run / name
