@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -183,8 +184,9 @@ def _matrix(config: Path) -> dict:
     for layout in LAYOUTS:
         d = root / layout
         extra = ["--data.replay_ci_update=first"]
-        if layout == "2x2":  # every step kept: the restore cases
-            extra += ["--checkpoint.every=1", f"--checkpoint.keep_last_n={STEPS + 1}"]
+        if layout == "2x2":  # every step kept: the restore cases; and one profile
+            extra += ["--checkpoint.every=1", f"--checkpoint.keep_last_n={STEPS + 1}",
+                      "--log.profile_start=2", "--log.profile_steps=2"]
         out[layout] = d
         out["log", layout] = _train(layout, d, config, extra)
     return out
@@ -362,6 +364,15 @@ def test_D3_a_batch_that_does_not_divide_is_refused_before_compute(runs, tmp_pat
                 "--data.batch_size=30"], devices=4, expect=2)
     assert "data.batch_size: 30 rows do not divide over the 4 batch shards" in out
     assert not run.exists()
+
+
+def test_each_of_2_processes_stores_its_own_profile(runs):
+    """log.profile_start under launch-local: one trace per process, side by side."""
+    traced = runs["2x2"] / "profile" / "plugins" / "profile" / "step_2"
+    host = socket.gethostname()
+    assert sorted(p.name for p in traced.iterdir()) == [
+        f"{host}-p{i}.{kind}" for i in (0, 1) for kind in ("trace.json.gz", "xplane.pb")]
+    assert runs["log", "2x2"].count("profile of steps 3..4") == 1  # said by process 0
 
 
 def test_C1_processes_that_build_different_targets_are_refused(tmp_path):
