@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import signal
 import time
 import warnings
@@ -279,7 +280,8 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
         with trace:
             for s in range(start, steps):
                 trace.before(s)
-                state, m = replay.step(s, state, trainer.target, trainer.batch(s // k))
+                batch = trainer.batch(s // k)
+                state, m = replay.step(s, state, trainer.target, batch)
                 trace.after(s + 1, state)
                 window.append(m)
                 done = s + 1
@@ -295,7 +297,8 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                     values["train/replay/ci_updated"] = int(replay.ci_updated(s))
                     now, compile_s = time.perf_counter(), compiling.take()
                     values["train/perf/compile_s"] = compile_s
-                    values["train/perf/step_time_s"] = (now - t_last - compile_s) / (done - s_last)
+                    values.update(_throughput((now - t_last - compile_s) / (done - s_last),
+                                              batch.shape, trainer.target))
                     progress.update(done - s_last, values["train/loss/total"])
                     t_last, s_last, window = now, done, []
                     writer.write(done, values)
@@ -327,6 +330,17 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     saver.save(steps, resume.checkpoint_leaves(state, replay))
     saver.wait()
     return _finish(cfg, rd, trainer, state, stop)
+
+
+def _throughput(step_s: float, batch_shape: tuple[int, ...], target) -> dict:
+    """`train/perf/step_time_s`, and the global batch's rows (and, for a sequence target,
+    tokens) per second, as MaxText and levanter report them."""
+    out = {"train/perf/step_time_s": step_s}
+    if step_s > 0:
+        out["train/perf/examples_per_s"] = batch_shape[0] / step_s
+        if target.n_features is None:  # [B, T] tokens
+            out["train/perf/tokens_per_s"] = math.prod(batch_shape) / step_s
+    return out
 
 
 def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState,

@@ -311,6 +311,9 @@ def test_step_time_leaves_out_the_compiles_which_compile_s_shows(finished_run):
         assert r["train/perf/compile_s"] > 20 * r["train/perf/step_time_s"] > 0, r
     assert last["train/perf/compile_s"] == 0.0
     assert last["train/perf/step_time_s"] > 0
+    for r in train:  # the global batch's rows per second (no tokens: TMS has no positions)
+        assert r["train/perf/examples_per_s"] == pytest.approx(64 / r["train/perf/step_time_s"])
+        assert "train/perf/tokens_per_s" not in r
 
 
 @pytest.mark.parametrize("name,n_layers,d_mlp", [("resid_mlp1", 1, 50), ("resid_mlp2", 2, 25)])

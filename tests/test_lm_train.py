@@ -76,7 +76,8 @@ def test_tiny_lm_decomposition_through_the_cli(corpus, tmp_path):
                     f"--target.path={corpus['target']}", f"--data.store={corpus['store']}",
                     f"--run_dir={run_dir}"]) == 0
     rows = [json.loads(ln) for ln in open(run_dir / "metrics.jsonl")]
-    assert [r["step"] for r in rows if "train/loss/total" in r] == [10, 20]
+    train = [r for r in rows if "train/loss/total" in r]
+    assert [r["step"] for r in train] == [10, 20]
     evals = [r for r in rows if "eval/ce/clean" in r]
     assert [r["step"] for r in evals] == [10, 20]
     summary = json.load(open(run_dir / "summary.json"))
@@ -96,6 +97,10 @@ def test_tiny_lm_decomposition_through_the_cli(corpus, tmp_path):
     _, held = train_eval_schedules(st.n_rows, train_batch=8, train_seed=3, eval_batch=16,
                                    eval_seed=5, eval_rows=32)
     rows = jnp.asarray(st.read_rows(held.rows(0)), jnp.int32)
+    for r in train:  # throughput: B = 8 rows of T = seq_len - 1 input tokens per step
+        step_s = r["train/perf/step_time_s"]
+        assert r["train/perf/examples_per_s"] == pytest.approx(8 / step_s)
+        assert r["train/perf/tokens_per_s"] == pytest.approx(8 * (st.seq_len - 1) / step_s)
     assert summary["eval/ce/clean"] == pytest.approx(
         float(lm_pretrain.next_token_loss(target, rows)), rel=1e-5)
     # Zero-ablating both MLPs of a trained LM costs more than its components with masks 1.
