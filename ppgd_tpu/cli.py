@@ -28,6 +28,7 @@ USAGE = """usage: ppgd-tpu <command> [flags]
 
 commands:
   train     decompose a target (no --config: the embedded TMS 5-2 default)
+  eval      evaluate a run's checkpoint again (other eval settings, an earlier step)
   pretrain  train a toy target, or an LM on a token store (--store); save safetensors
   bench     benchmarks: `bench step --config ...`
   shardings print where every leaf of a run lives on the mesh (`--devices N --processes P`)
@@ -123,8 +124,11 @@ def _bad_value(message: str, leaves: dict) -> str:
     return str(config_lib.not_a(m.group(1), m.group(2), leaves[m.group(1)]))
 
 
-def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
+def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None,
+                      base: config_lib.Config | None = None, shown: tuple[str, ...] = ("",)):
     """Parses `[--config PATH] [--<dotted.field>=V ...] [extra flags]` -> (Config, extras).
+    With `base` (a run's config), the fields start from it and --config is not a flag;
+    --helpfull lists the fields whose path starts with one of `shown`.
 
     `extra` maps a command's own flag names to (default, help) or (default, help, parse):
     `parse` (e.g. `count`, `choice(...)`) turns the string into its value or raises
@@ -133,23 +137,27 @@ def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None):
     entries a flag names (`--decomp.tie.linear2=linear1`, config.with_entries).
     """
     extra = dict(extra or {})
-    args = join_values(args, ["config", *extra])
-    path = _split_value(args, "config")
-    cfg = config_lib.with_entries(config_lib.load(path), _named(args))
+    args = join_values(args, ["config", *extra] if base is None else list(extra))
+    path = _split_value(args, "config") if base is None else None
+    cfg = config_lib.with_entries(base or config_lib.load(path), _named(args))
     fv = flags.FlagValues()
-    flags.DEFINE_string("config", None, "experiment YAML (none: the embedded default)",
-                        flag_values=fv)
+    if base is None:
+        flags.DEFINE_string("config", None, "experiment YAML (none: the embedded default)",
+                            flag_values=fv)
     for name, (default, help_, *_) in extra.items():
         flags.DEFINE_string(name, default, help_, flag_values=fv)
     leaves = {p: tp for p, tp, _, _ in config_lib.leaves(cfg)}
     for p, tp, value, help_ in config_lib.leaves(cfg):
         _define(fv, p, tp, value, help_)
     if any(a in HELP for a in args):
-        print(f"flags (with --config {path or '<embedded default>'}):")
-        print("  --config=PATH  experiment YAML")
+        if base is None:
+            print(f"flags (with --config {path or '<embedded default>'}):")
+            print("  --config=PATH  experiment YAML")
+        else:
+            print("flags (a field's default is its value in RUN_DIR/config.yaml):")
         for name, (default, help_, *_) in extra.items():
             print(f"  --{name}={default}  {help_}")
-        print(config_lib.describe(cfg))
+        print(config_lib.describe(cfg, shown))
         raise SystemExit(0)
     try:
         positional = fv(["ppgd-tpu", *args])[1:]
@@ -211,6 +219,44 @@ def cmd_train(args: list[str]) -> int:
     from ppgd_tpu.workspace import default_run_dir
 
     engine.train(cfg, dist.broadcast_from_main(extra["run_dir"] or default_run_dir(cfg)))
+    return 0
+
+
+def cmd_eval(args: list[str]) -> int:
+    """Evaluates a committed checkpoint of a run with the run's config, in which only the
+    fields of config.EVAL_FIELDS may be given (engine.evaluate_checkpoint)."""
+    from ppgd_tpu import dist
+    from ppgd_tpu.workspace import RunDir
+
+    helping = any(a in HELP for a in args)
+    if _split_value(args, "config") is not None and not helping:
+        raise UsageError("--config: eval reads the run's own config (RUN_DIR/config.yaml); "
+                         "leave --config out and give --run_dir")
+    run_dir = _split_value(args, "run_dir")
+    rd = RunDir(run_dir) if run_dir else None
+    if rd is None and not helping:
+        raise UsageError("--run_dir: which run to evaluate? e.g. --run_dir runs/tms52")
+    if rd is not None and not rd.exists:
+        raise UsageError(f"--run_dir: {rd.path} holds no run (no config.yaml)")
+    base = rd.stored_config() if rd is not None else config_lib.Config()
+    cfg, extra = parse_config_args(args, {
+        "run_dir": ("", "the run to evaluate"),
+        "step": ("", "a committed checkpoint's step (default: the latest)",
+                 lambda t: count(t) if t else None),
+        "output": ("", "where summary.json, config.yaml and figures/ go, local or gs:// "
+                   "(default: RUN_DIR/evals/step_<step>)")},
+        base=base, shown=config_lib.EVAL_FIELDS)
+    run = {p: v for p, _, v, _ in config_lib.leaves(base)}
+    fixed = [p for p, _, v, _ in config_lib.leaves(cfg)
+             if not p.startswith(config_lib.EVAL_FIELDS) and (p not in run or run[p] != v)]
+    if fixed:
+        fields = [f + "*" if f.endswith(".") else f for f in config_lib.EVAL_FIELDS]
+        raise UsageError(f"--{fixed[0]}: eval keeps the run's config; the fields it may be "
+                         f"given are {', '.join(fields)} (see --helpfull)")
+    dist.initialize()
+    from ppgd_tpu import engine
+
+    engine.evaluate_checkpoint(cfg, rd, extra["step"], extra["output"] or None)
     return 0
 
 
@@ -293,7 +339,7 @@ DELEGATED = {
     "ckpt": "ppgd_tpu.checkpoint.cli",
     "launch-local": "ppgd_tpu.launch_local",
 }
-COMMANDS = {"train": cmd_train, "pretrain": cmd_pretrain, "bench": cmd_bench,
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "pretrain": cmd_pretrain, "bench": cmd_bench,
             "shardings": cmd_shardings}
 # One process writes these commands' files: N processes would each write the same ones.
 ONE_PROCESS = ("pretrain", "tokenize")

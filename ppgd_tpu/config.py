@@ -313,6 +313,9 @@ class Config:
 # Fields that may differ when resuming a run: they do not change the trajectory (another
 # mesh changes it only by float reassociation [C3, D3]).
 RESUMABLE_PREFIXES = ("name", "eval.", "log.", "checkpoint.", "data.eval_seed", "mesh.")
+# What `ppgd-tpu eval` may change in a run's config: how it is evaluated, on which mesh, and
+# where the same target weights and a token store are found.
+EVAL_FIELDS = ("eval.", "data.eval_seed", "data.store", "target.path", "mesh.")
 
 
 # ---------------------------------------------------------------- building from dicts
@@ -581,12 +584,16 @@ def _mappings(cfg, path: str = ""):
             yield sub, typing.get_args(tp)[1], f.metadata.get("help", "")
 
 
-def describe(cfg: Config) -> str:
-    """One line per leaf: dotted path, type, default, meaning (for --helpfull); then the
-    mappings, whose entries (flags above) come from the YAML, an empty one included."""
+def describe(cfg: Config, only: tuple[str, ...] = ("",)) -> str:
+    """One line per leaf whose path starts with one of `only`: dotted path, type, default,
+    meaning (for --helpfull); then, when every leaf is listed, the mappings, whose entries
+    (flags above) come from the YAML, an empty one included."""
     rows = []
     for path, tp, value, help_ in leaves(cfg):
-        rows.append(f"  --{path}={json.dumps(value)}  [{_type_name(tp)}]  {help_}")
+        if path.startswith(only):
+            rows.append(f"  --{path}={json.dumps(value)}  [{_type_name(tp)}]  {help_}")
+    if only != ("",):
+        return "\n".join(rows)
     rows.append("mappings (entries come from the --config YAML, or from a flag naming a new one: "
                 "--decomp.tie.linear2=linear1, --loss.stochastic.<new>.coeff=1 with the "
                 "term's other fields at their defaults; each entry's fields are then flags):")

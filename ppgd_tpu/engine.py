@@ -32,7 +32,8 @@ from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import Decomposer, TrainState
 from ppgd_tpu.targets import build as target_build
 from ppgd_tpu.trace import StepTrace
-from ppgd_tpu.workspace import DECOMPOSITION, FIGURES, RunDir
+from ppgd_tpu.workspace import (CONFIG, DECOMPOSITION, EVALS, FIGURES, SUMMARY, RunDir,
+                                write_summary)
 
 
 MAX_IN_FLIGHT = 8  # multi-process CPU: steps dispatched ahead of the last finished one
@@ -355,23 +356,77 @@ def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState,
     stop.close()
     for name in stop.signals_received[:1]:
         signal.raise_signal(signal.Signals[name])
-    summary = trainer.evaluate(state, cfg.decomp.steps)
-    # collectives: every process fetches, since the arrays may span processes
-    state, target, eval_batch = trainer.to_host((state, trainer.target, trainer.eval_batch))
+    figures = rd.file(FIGURES) if cfg.eval.figures else None
+    summary, state = _evaluate(trainer, state, cfg.decomp.steps, figures,
+                               f"{cfg.name} ({rd.path}), step {cfg.decomp.steps}")
     if dist.is_main():
         writer = metrics_lib.MetricsWriter(rd.path, enabled=True, tensorboard=False)
         writer.write_final(cfg.decomp.steps, summary)
         writer.close()  # on gs:// the line is held in memory until then
         save_decomposition(rd.file(DECOMPOSITION), state, trainer.dec.sites)
-        if cfg.eval.figures:
-            eval_lib.figures(trainer.dec, state, target, eval_batch, rd.file(FIGURES),
-                             f"{cfg.name} ({rd.path}), step {cfg.decomp.steps}")
         summary = {"step": cfg.decomp.steps, **summary}
-        rd.write_summary(summary)
-        print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
-        note = eval_lib.recovery_note(summary)
-        if note:
-            print(note)
+        write_summary(rd.file(SUMMARY), summary)
+        _print_summary(summary)
+    return summary
+
+
+def _evaluate(trainer: Trainer, state: TrainState, step: int, figures: str | None,
+              title: str) -> tuple[dict, TrainState]:
+    """The fast tier, then (main process) the figures into `figures` (None: none) ->
+    (eval metrics, the state on the host)."""
+    summary = trainer.evaluate(state, step)
+    # collectives: every process fetches, since the arrays may span processes
+    state, target, eval_batch = trainer.to_host((state, trainer.target, trainer.eval_batch))
+    if dist.is_main() and figures is not None:
+        eval_lib.figures(trainer.dec, state, target, eval_batch, figures, title)
+    return summary, state
+
+
+def _print_summary(summary: dict) -> None:
+    print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
+    note = eval_lib.recovery_note(summary)
+    if note:
+        print(note)
+
+
+def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str | None) -> dict:
+    """`ppgd-tpu eval`: the fast tier and the figures of the committed checkpoint `step`
+    (None: the latest) of the run in `rd`, under `cfg` (its config, eval fields changed),
+    into `output` (None: RUN_DIR/evals/step_<step>): config.yaml, figures/, then
+    summary.json. It only reads the run's files and takes no lock, so a run that is still
+    training can be evaluated; the run never touches evals/."""
+    _check_one_config(cfg)
+    committed = [e.step for e in checkpoint.list_steps(rd.path) if e.committed]
+    if not committed:
+        raise ConfigError(f"--run_dir: {rd.path} has no committed checkpoint yet (a run "
+                          "commits one on checkpoint.every, on a stop signal and at its end)")
+    step = committed[-1] if step is None else step
+    if step not in committed:
+        raise ConfigError(f"--step: {step} is not a committed checkpoint of {rd.path}; "
+                          f"its committed steps: {', '.join(map(str, committed))}")
+    out = output or storage.join(rd.path, EVALS, f"step_{step}")
+    try:
+        out = storage.normalize(out)
+        storage.check_creatable(out, directory=True)
+    except ValueError as e:
+        raise ConfigError(f"--output: {e}") from None
+    trainer = Trainer(cfg)
+    rd.check_inputs(cfg, trainer.target_sha256, None)  # the run's weights; any store
+    restored = trainer.restore(rd.path, step)
+    try:
+        state = resume.restore_state(trainer.dec, trainer.target, restored.arrays)
+    except checkpoint.DamagedCheckpoint as e:
+        raise checkpoint.damaged(rd.path, step, e) from None
+    figures = storage.join(out, FIGURES) if cfg.eval.figures else None
+    summary, _ = _evaluate(trainer, state, step, figures, f"{cfg.name} ({rd.path}), step "
+                           f"{step}, ppgd-tpu eval")
+    summary = {"step": step, **summary}
+    if dist.is_main():
+        storage.write_bytes(storage.join(out, CONFIG), config_lib.dump_yaml(cfg).encode())
+        write_summary(storage.join(out, SUMMARY), summary)
+        _print_summary(summary)
+        print(f"evaluated step {step} of {rd.path}: {out}/summary.json"
+              + (f", {figures}/" if figures else ""))
     return summary
 
 

@@ -34,6 +34,7 @@ DECOMPOSITION = "decomposition.safetensors"
 TARGET = "target.json"
 STORE = "data.json"
 FIGURES = "figures"
+EVALS = "evals"  # `ppgd-tpu eval`'s outputs, evals/step_<s>/ (train never touches them)
 LOCK = ".lock"
 LAUNCH_LOGS = "launch_logs"  # launch/tpu_pod.sh's copies of each attempt's worker logs
 # What a dir may hold and still be a new run dir: the lock, what create() leaves when it is
@@ -338,7 +339,8 @@ class RunDir:
                 f"JSON ({e}); restore it, or delete it to run the final evaluation again "
                 "from the last checkpoint") from None
 
-    def write_summary(self, summary: dict) -> None:
-        storage.write_bytes(self.file(SUMMARY),
-                            json.dumps(metrics_lib.json_values(summary), indent=1,
-                                       sort_keys=True, allow_nan=False).encode())
+
+def write_summary(path: str, summary: dict) -> None:
+    """summary.json: flat keys, sorted (a run's final eval, or `ppgd-tpu eval`'s)."""
+    storage.write_bytes(path, json.dumps(metrics_lib.json_values(summary), indent=1,
+                                         sort_keys=True, allow_nan=False).encode())

@@ -375,6 +375,22 @@ def test_each_of_2_processes_stores_its_own_profile(runs):
     assert runs["log", "2x2"].count("profile of steps 3..4") == 1  # said by process 0
 
 
+def test_eval_under_launch_local_repeats_one_process_eval(runs, tmp_path):
+    """`ppgd-tpu eval` of the 2x2 run's last checkpoint, on its own mesh in 2 processes
+    (process 0 writes) and on 1 device: the same summary, up to reassociation [D3]."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["eval", f"--run_dir={runs['2x2']}"]
+    _run([*args, f"--output={one}", "--mesh.fsdp=1"])
+    out = _run(["launch-local", "--processes", "2", "--devices_per_process", "2", "--", *args,
+                f"--output={two}"])
+    _assert_mesh(out, *SPAN["2x2"])
+    want, got = (json.load(open(d / "summary.json")) for d in (one, two))
+    assert want.keys() == got.keys() and want["step"] == STEPS
+    for k in want:
+        assert _rel(want[k], got[k]) <= TOL, (k, want[k], got[k])
+    assert out.count(f"evaluated step {STEPS} of") == 1
+
+
 def test_C1_processes_that_build_different_targets_are_refused(tmp_path):
     """Every process rebuilds the frozen target itself [C1]; one that read other weights (a
     host's own stale copy of target.path) would decompose another model, so every process
