@@ -692,6 +692,49 @@ def test_N1_bf16_compute_keeps_fp32_masters_and_fp32_losses():
         float(m32["train/loss/stochastic"]), rel=2e-2)
 
 
+def test_N2_a_bf16_forward_stays_bf16_under_fp32_masks():
+    """Sources and mask draws are fp32 [N1]; multiplied into a bf16 forward they promoted
+    every site output after the first decomposed one to fp32, so the masked path ran in fp32
+    against a bf16 clean output. All-ones masks with the delta are the identity [S2]: the
+    masked output must then be the bf16 clean output, bit for bit, and no matmul of the
+    step may mix fp32 and bf16 operands."""
+    from ppgd_tpu.step import Decomposer, _cast
+
+    cfg = _tiny_cfg()
+    cfg = dataclasses.replace(cfg, decomp=dataclasses.replace(cfg.decomp,
+                                                              compute_dtype="bfloat16"))
+    from ppgd_tpu.config import TMSConfig
+
+    t = tms.init(TMSConfig(n_features=6, n_hidden=3, n_identity_layers=1), jax.random.key(0))
+    dec = Decomposer(cfg, t, (16, 6))
+    jaxpr = jax.make_jaxpr(dec.full)(dec.init(t), t, t.sample(jax.random.key(5), 16))
+    mixed = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+             and len({v.aval.dtype for v in e.invars}) > 1]
+    assert not mixed, mixed[:3]
+    state = dec.init(t)
+    x = t.sample(jax.random.key(5), 16)
+    t16, x16 = _cast(t, jnp.bfloat16), x.astype(jnp.bfloat16)
+    comps16 = _cast(state.components, jnp.bfloat16)
+    ones = {s: SiteMask(jnp.ones((16, V.shape[1]), jnp.float32),
+                        jnp.ones((16,), jnp.float32)) for s, V in comps16.V.items()}
+    masked = t16.masked_forward(x16, comps16, ones)
+    clean = t16.clean_output(x16)
+    assert masked.dtype == clean.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(clean, np.float32)).max() > 0.1
+    np.testing.assert_array_equal(np.asarray(masked, np.float32), np.asarray(clean, np.float32))
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, those of its sub-jaxprs (jit, scan, cond, vjp) included."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
 @pytest.mark.parametrize("lead,zero_rows", [((4096,), 0.0), ((4096,), 0.77), ((6, 7), 0.5),
                                              ((97,), 0.0), ((1000,), 1.0)])
 def test_S5_per_component_ci_mlp_and_its_chunked_backward_match_the_formula(lead, zero_rows):

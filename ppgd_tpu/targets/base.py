@@ -52,11 +52,12 @@ def site_out(x, W, V, U, m: SiteMask):
     Δ is ever formed. A factored x (targets/lowrank.py) gives a factored y.
     """
     inner = dense(x @ V)
+    mask = m.mask.astype(inner.dtype)  # fp32 sources must not promote a bf16 forward [N2]
     if m.delta is None:
-        y = lift(inner * m.mask, x) @ U
+        y = lift(inner * mask, x) @ U
     else:
-        d = m.delta[..., None]
-        y = lift(inner * (m.mask - d), x) @ U + (x @ W) * d
+        d = m.delta[..., None].astype(inner.dtype)
+        y = lift(inner * (mask - d), x) @ U + (x @ W) * d
     if m.route is not None:
         y = select_rows(m.route[..., None], y, x @ W)
     return y
