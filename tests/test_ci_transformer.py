@@ -172,3 +172,93 @@ def test_decomposer_full_step_on_tiny_lm(scope):
                           (state.adversaries["ppgd"].sources, new.adversaries["ppgd"].sources)]:
         for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
             assert not np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_S25_the_lm_recon_term_is_kl_of_masked_from_clean():
+    """A masked forward's recon term on the LM is KL(softmax(clean) || softmax(masked)) summed
+    over the vocabulary and averaged over positions, in float64 here; the reversed KL (a
+    swapped argument anywhere on the path) differs, and the toys' symmetric MSE cannot see it."""
+    from ppgd_tpu.targets.base import SiteMask
+
+    cfg = from_dict(Config, {"target": {"kind": "llama_simple_mlp"},
+                             "decomp": {"sites": {"*": 3}, "steps": 10}})
+    # larger weights: peaked distributions, far apart, whose two KLs differ
+    t = lm.from_state_dict(LM, {k: v * 8.0 if v.ndim == 2 else v
+                                for k, v in lm.state_dict(_target()).items()})
+    dec = Decomposer(cfg, t, (B, T))
+    comps = dec.init(t).components
+    tok = _tokens()
+    masks = {s: SiteMask(jax.random.uniform(jax.random.key(i), (B, T, 3)),
+                         jax.random.uniform(jax.random.key(100 + i), (B, T)) ** 4)
+             for i, s in enumerate(dec.sites)}  # mostly ablated deltas: far from clean
+    got = float(dec.recon(t, tok, comps, masks, t.clean_output(tok)))
+
+    def log_softmax(z):
+        z = np.asarray(z, np.float64)
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    lp, lq = log_softmax(t.clean_output(tok)), log_softmax(t.masked_forward(tok, comps, masks))
+    want = np.mean(np.sum(np.exp(lp) * (lp - lq), -1))
+    reverse = np.mean(np.sum(np.exp(lq) * (lq - lp), -1))
+    assert want > 1e-3 and abs(reverse - want) > 0.02 * want, (want, reverse)
+    assert got == pytest.approx(want, rel=1e-4)
+
+
+@pytest.mark.parametrize("taps,per_chunk", [("resid", 1), ("resid", 2), ("site_inputs", 2)])
+def test_S3_S27_chunkwise_transformer_forward_matches_a_float64_reference(taps, per_chunk):
+    """SPEC 3, written out in numpy float64: per chunk, the weightless RMS norm of its taps'
+    concatenation -> w_in -> n_blocks of pre-norm bidirectional RoPE (base 10000) attention
+    and GELU MLP -> final norm -> one head per site. Every parameter is perturbed, so a
+    misplaced gain, bias or block (or a dropped RoPE) shows."""
+    cfg = LlamaConfig(vocab_size=16, d_model=8, n_layers=4, n_heads=2, n_kv_heads=1, d_mlp=12,
+                      max_seq_len=8)
+    t = lm.init(cfg, jax.random.key(0))
+    ci_cfg = CIFnConfig(kind="chunkwise_transformer", d_model=8, n_blocks=2, n_heads=2,
+                        d_mlp=10, taps=taps, blocks_per_chunk=per_chunk)
+    f = ci_lib.init(ci_cfg, jax.random.key(2), t.tap_widths(), {s: 3 for s in t.site_names})
+    leaves, tree = jax.tree.flatten(f)
+    f = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(jax.random.key(10 + i), x.shape)
+                                  for i, x in enumerate(leaves)])
+    tok = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
+    tapped = t.read_activations(tok, f.input_names)
+    got = jax.jit(lambda f, x: f(x, None))(f, tapped)
+    P = jax.tree.map(lambda a: np.asarray(a, np.float64), f.params)
+    d, H = ci_cfg.d_model, ci_cfg.n_heads
+    hd = d // H
+
+    def rms(x, g=None):
+        y = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + lm.NORM_EPS)
+        return y if g is None else y * g
+
+    inv = 1.0 / 10000 ** (np.arange(0, hd, 2) / hd)
+    ang = np.concatenate([np.arange(T)[:, None] * inv] * 2, -1)
+
+    def rope(x):  # [B, H, T, hd], rotate-half
+        return x * np.cos(ang) + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]],
+                                                -1) * np.sin(ang)
+
+    def gelu(z):
+        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+
+    def heads(y):
+        return y.reshape(B, T, H, hd).transpose(0, 2, 1, 3)
+
+    assert len(f.chunks) == cfg.n_layers // per_chunk
+    for k, (sites, names) in enumerate(zip(f.chunks, f.chunk_taps)):
+        h = rms(np.concatenate([np.asarray(tapped[n], np.float64) for n in names], -1))
+        h = h @ P.w_in[k]
+        b = P.blocks
+        for j in range(ci_cfg.n_blocks):
+            a = rms(h, b.ln_1[k, j])
+            q, kk, v = heads(a @ b.wq[k, j]), heads(a @ b.wk[k, j]), heads(a @ b.wv[k, j])
+            s = rope(q) @ rope(kk).transpose(0, 1, 3, 2) / np.sqrt(hd)  # no causal mask
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            h = h + (p @ v).transpose(0, 2, 1, 3).reshape(B, T, d) @ b.wo[k, j]
+            h = h + gelu(rms(h, b.ln_2[k, j]) @ b.w1[k, j]) @ b.w2[k, j]
+        h = rms(h, P.ln_f[k])
+        for i, site in enumerate(sites):
+            want = h @ P.head_w[i][k] + P.head_b[i][k]
+            np.testing.assert_allclose(np.asarray(got[site], np.float64), want,
+                                       rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=site)

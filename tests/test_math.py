@@ -261,9 +261,18 @@ def test_S11_uniform_k_routes_k_sites_per_position_uniformly():
     assert counts.min() >= 1 and counts.max() <= 4
     freq = np.bincount(counts, minlength=5)[1:] / counts.size
     np.testing.assert_allclose(freq, 0.25, atol=0.02)  # k ~ U{1..4}
-    # given k, each site is equally likely to be in the subset
-    per_site = np.asarray(routes)[:, counts == 2].mean(1)
-    np.testing.assert_allclose(per_site, 0.5, atol=0.03)
+    # given k, each k-subset is equally likely (each site being in half of them is not
+    # enough: a cyclic run of k sites has that too, and never routes {0, 2} or {1, 3})
+    pairs = np.asarray(routes)[:, counts == 2].T
+    codes, n = np.unique(pairs @ (1 << np.arange(4)), return_counts=True)
+    assert sorted(codes) == [3, 5, 6, 9, 10, 12]
+    np.testing.assert_allclose(n / n.sum(), 1 / 6, atol=0.02)
+    # [B, T] leading axes: a draw per position, not one per row
+    grid = np.asarray(losses.uniform_k_routes(jax.random.key(1), (64, 32), 4)).sum(0)
+    assert grid.shape == (64, 32)
+    assert np.mean([len(set(row)) > 1 for row in grid]) > 0.9
+    np.testing.assert_allclose(np.bincount(grid.ravel(), minlength=5)[1:] / grid.size, 0.25,
+                               atol=0.03)
 
 
 def test_S10_plans_and_mean_over_all_forwards():
