@@ -63,6 +63,9 @@ def test_round_trip_and_incomplete_checkpoint_on_gcs(gcs_emulator, tmp_path):
     # resumed after the window: no second trace
     assert storage.list_entries(traced) == [f"{host}.trace.json.gz", f"{host}.xplane.pb"]
     assert storage.read_bytes(f"{traced}/{host}.trace.json.gz") == trace
+    # `ppgd-tpu eval` of the final checkpoint, into the gs:// run dir: the same summary
+    assert cli.run(["eval", f"--run_dir={run}", "--eval.figures=false"]) == 0
+    assert json.loads(storage.read_bytes(f"{run}/evals/step_8/summary.json")) == summary
     again = [json.loads(r) for r in storage.read_bytes(f"{run}/metrics.jsonl").splitlines()]
     assert [r["step"] for r in again] == [2, 4, 6, 8, 8] and again[-1] == rows[-1]
     # the resumed writer's events (a second file) hide the redone step 8's, as locally [C3]
