@@ -596,6 +596,8 @@ def test_unwritable_paths_are_refused_before_any_compute(tmp_path, capsys, monke
     monkeypatch.setenv("PPGD_TPU_CACHE", str(cache))
     afile = tmp_path / "afile"
     afile.write_text("keep")
+    notes = tmp_path / "notes.md"  # 8 bytes or more of text: once read as a header length
+    notes.write_text("a README that is no safetensors file\n")
     for argv, needle in [
             (["train", f"--run_dir={afile}"], f"--run_dir: {afile} exists and is not a directory"),
             (["train", f"--run_dir={afile / 'r'}"], f"--run_dir: {afile} is a file, so"),
@@ -606,11 +608,14 @@ def test_unwritable_paths_are_refused_before_any_compute(tmp_path, capsys, monke
             (["pretrain", "--store=s"], "--store: only an LM target trains on a token store"),
             (["pretrain", f"--output={afile}"],  # someone's file: it was overwritten
              f"--output: {afile} exists and is not a target `pretrain` wrote"),
+            (["pretrain", f"--output={notes}"],
+             f"--output: {notes} exists and is not a target `pretrain` wrote"),
             (["train", f"--config={tmp_path}"], f"--config: cannot read '{tmp_path}'")]:
         rc, _, err = _run([*argv, "--target.seed=7", *TINY], capsys)
         assert rc == 2 and needle in err, (argv, err)
     assert afile.read_text() == "keep" and not cache.exists()
-    assert sorted(os.listdir(tmp_path)) == ["afile"]
+    assert notes.read_text() == "a README that is no safetensors file\n"
+    assert sorted(os.listdir(tmp_path)) == ["afile", "notes.md"]
 
 
 def test_a_target_that_fails_validation_is_refused(tmp_path, capsys):

@@ -142,11 +142,16 @@ def recorded(head: bytes, name: str) -> dict | None:
     return recorded if isinstance(recorded, dict) else None
 
 
+MAX_HEADER = 100 << 20  # the safetensors format's own bound on its header
+
+
 def header(path: str) -> bytes | None:
     """The safetensors header of the file at `path` (read alone: weights can be large);
     None if it cannot be read as one."""
     try:
         size = int.from_bytes(storage.read_range(path, 0, 8), "little")
+        if size > MAX_HEADER:  # not safetensors (any 8 bytes of text read as a length)
+            return None
         return storage.read_range(path, 0, 8 + size)
     except (OSError, ValueError):
         return None
