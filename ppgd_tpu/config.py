@@ -467,6 +467,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's multi-line error as one line: the problem and where."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(e).split())
+
+
 def load_yaml(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as fh:
@@ -479,7 +488,7 @@ def load_yaml(path: str) -> dict:
         raise ConfigError(f"--config: {path} is not UTF-8 text ({e.reason} at byte "
                           f"{e.start})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"--config: {path} is not valid YAML ({yaml_problem(e)})") from None
     if data is None:  # an empty file (or only comments): most likely not what was meant
         raise ConfigError(f"--config: {path} is empty; leave --config out to run the embedded "
                           "default")

@@ -65,14 +65,6 @@ def _acquire(path: str) -> int | None:
                           f"({e.strerror or e}); this user must be able to write it") from None
 
 
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    mark = getattr(e, "problem_mark", None)
-    problem = getattr(e, "problem", None)
-    if problem and mark is not None:
-        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
-    return " ".join(str(e).split())
-
-
 def _unwritable(path: str) -> str | None:
     """Why a command could not write the local run dir `path` (it or a dir below it: new
     checkpoints, metrics, TensorBoard events, retention deleting old steps), or None."""
@@ -131,7 +123,7 @@ class RunDir:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"--run_dir: {where} is not valid YAML ({_yaml_problem(e)}); "
+            raise ConfigError(f"--run_dir: {where} is not valid YAML ({config_lib.yaml_problem(e)}); "
                               f"{fix}") from None
         if data is None:
             raise ConfigError(f"--run_dir: {where} is empty; {fix}")

@@ -105,6 +105,8 @@ def test_a_bad_value_reads_the_same_from_yaml_and_from_a_flag(field, value, caps
     (b"target: {kind: tms, kind: resid_mlp}\n", "key 'kind' appears twice in one mapping"),
     (b"decomp:\n  steps: 10\ndecomp:\n  steps: 20\n", "key 'decomp' appears twice"),
     (b"# all commented out\n", "is empty; leave --config out"),  # ran the embedded default
+    (b"a: [1\n", "is not valid YAML (expected ',' or ']', but got '<stream end>' at line 2, "
+                 "column 1)"),  # one line, not PyYAML's four
 ])
 def test_a_config_file_that_is_not_one_mapping_of_utf8_exits_2(content, needle, capsys,
                                                                tmp_path):
@@ -114,6 +116,7 @@ def test_a_config_file_that_is_not_one_mapping_of_utf8_exits_2(content, needle, 
     for argv in (["train", f"--run_dir={tmp_path / 'r'}"], ["shardings"]):
         rc, _, err = _run([*argv, f"--config={tmp_path / 'c.yaml'}"], capsys)
         assert rc == 2 and f"--config: {tmp_path / 'c.yaml'} " in err and needle in err, err
+        assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r").exists()
 
 
