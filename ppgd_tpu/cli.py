@@ -218,7 +218,11 @@ def cmd_train(args: list[str]) -> int:
     from ppgd_tpu import engine
     from ppgd_tpu.workspace import default_run_dir
 
-    engine.train(cfg, dist.broadcast_from_main(extra["run_dir"] or default_run_dir(cfg)))
+    global _again
+    run_dir = dist.broadcast_from_main(extra["run_dir"] or default_run_dir(cfg))
+    if not extra["run_dir"]:  # the same command again would choose a new dir
+        _again = f"{AGAIN} with --run_dir={run_dir}"
+    engine.train(cfg, run_dir)
     return 0
 
 
@@ -414,6 +418,7 @@ def run(argv: list[str]) -> int:
 
 
 AGAIN = "nothing partial is read as complete: re-run the same command to start or resume"
+_again = AGAIN  # with the run dir a `train` without --run_dir chose (cmd_train)
 
 
 def _end(code: int, message: str) -> None:
@@ -454,7 +459,7 @@ def _interrupted() -> None:
     one itself [C5])."""
     name = signals.seen[0]
     _end(143 if name == "SIGTERM" else 130,
-         f"ppgd-tpu: {'terminated' if name == 'SIGTERM' else 'interrupted'} ({name}); {AGAIN}")
+         f"ppgd-tpu: {'terminated' if name == 'SIGTERM' else 'interrupted'} ({name}); {_again}")
 
 
 def _setup() -> None:
@@ -495,8 +500,8 @@ def main() -> None:
             _interrupted()
         cause = _unreachable(e)
         if cause is not None:  # the path and the cause say it all
-            _end(1, f"ppgd-tpu: failed: {e}: {cause}; {AGAIN}" if cause is not e
-                 else f"ppgd-tpu: failed: {e}; {AGAIN}")
+            _end(1, f"ppgd-tpu: failed: {e}: {cause}; {_again}" if cause is not e
+                 else f"ppgd-tpu: failed: {e}; {_again}")
         _end(1, f"{traceback.format_exc()}ppgd-tpu: failed: {type(e).__name__}: {e}")
     sys.exit(code)
 

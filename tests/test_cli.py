@@ -370,7 +370,7 @@ def test_a_diverged_run_stops_with_status_1_at_the_step_it_saw_it(tmp_path, caps
     assert not (run_dir / "ckpts").exists() or not os.listdir(run_dir / "ckpts")
 
 
-def _signal_when(cmd, env, ready, signum, after_s=0.0):
+def _signal_when(cmd, env, ready, signum, after_s=0.0, cwd=None):
     """Runs `cmd`; sends `signum` `after_s` seconds after the first stderr line for which
     `ready(line)` holds; returns (returncode, stdout, stderr lines)."""
     # SIGINT as a terminal sends it: a shell's background job (CI run with `&`) starts its
@@ -379,7 +379,7 @@ def _signal_when(cmd, env, ready, signum, after_s=0.0):
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env=env)
+                             env=env, cwd=cwd)
     finally:
         signal.signal(signal.SIGINT, previous)
     err = []
@@ -397,18 +397,24 @@ def _signal_when(cmd, env, ready, signum, after_s=0.0):
     return p.returncode, out, "".join(err + [rest]).splitlines()
 
 
-def test_ctrl_c_before_the_loop_exits_130_without_a_traceback(tmp_path):
+@pytest.mark.parametrize("given", [True, False])
+def test_ctrl_c_before_the_loop_exits_130_without_a_traceback(tmp_path, given):
     """A real SIGINT while the toy target trains (before the loop, whose own stop handling
-    is tested in test_resume.py): exit 130 with one line, no traceback, no run dir made."""
+    is tested in test_resume.py): exit 130 with one line, no traceback, no run dir made.
+    Without --run_dir the line names the dir it chose: the same command would choose a
+    new one."""
     run_dir = tmp_path / "r"
-    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", f"--run_dir={run_dir}",
-           "--target.tms.train_steps=200000", "--log.progress=false"]
-    env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "ppgd_tpu.cli", "train", "--target.tms.train_steps=200000",
+           "--log.progress=false", *([f"--run_dir={run_dir}"] if given else [])]
+    env = {**os.environ, "PPGD_TPU_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     # the mesh is made just before the target is built
-    rc, _, err = _signal_when(cmd, env, lambda line: "mesh {" in line, signal.SIGINT)
+    rc, _, err = _signal_when(cmd, env, lambda line: "mesh {" in line, signal.SIGINT,
+                              cwd=tmp_path)
     assert rc == 130, err
     assert "interrupted" in err[-1] and "Traceback" not in "\n".join(err), err
-    assert not run_dir.exists()
+    assert ("with --run_dir=runs/tms_5-2-" in err[-1]) != given, err[-1]
+    assert not run_dir.exists() and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("name,after", [

@@ -230,7 +230,7 @@ def test_C5_sigterm_saves_the_completed_step_exits_0_and_resumes_exactly(tmp_pat
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
-    assert "stopped at step" in out and "Resume with the same command" in out
+    assert "stopped at step" in out and f"Resume with the same command and --run_dir={run}." in out
     stopped = checkpoint.latest_step(str(run))
     assert 0 < stopped < steps
     assert not (run / "summary.json").exists()
