@@ -576,10 +576,26 @@ def with_entries(cfg: Config, named: dict[str, str | None]) -> Config:
             if _is_dataclass_type(val_tp):
                 for leaf, _, _, _ in leaves(val_tp()):
                     if rest.endswith("." + leaf):
-                        node.setdefault(rest[:-len(leaf) - 1], {})
+                        entry = rest[:-len(leaf) - 1]
+                        if entry not in node:
+                            _check_not_a_typo(f"{path}.{entry}", list(node), leaf)
+                        node.setdefault(entry, {})
             else:
                 node[rest] = parse_override(text or "", val_tp, name)
     return from_dict(Config, data)
+
+
+def _check_not_a_typo(new: str, entries: list[str], leaf: str) -> None:
+    """A flag that adds an entry (a loss term) one typo away from an existing one most likely
+    meant that one: refused (a name that extends one, like `stochastic2`, is not a typo)."""
+    path, name = new.rsplit(".", 1)
+    for close in difflib.get_close_matches(name, entries, n=1, cutoff=0.8):
+        if not (name.startswith(close) or close.startswith(name)):
+            raise ConfigError(
+                f"--{new}.{leaf}: {path} has no entry {name!r}; did you mean "
+                f"--{path}.{close}.{leaf}? (a flag adds a new entry at its fields' defaults, "
+                f"but not one this close to {close!r}: to add it, define it in the --config "
+                "YAML)")
 
 
 def _mappings(cfg, path: str = ""):

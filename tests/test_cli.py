@@ -70,6 +70,10 @@ def _run(argv, capsys):
                                 "'*', linear2 by '*')"),
     (["--decomp.tie.linear2=linear3"], "decomp.tie.linear2: 'linear3' is not a decomposed site"),
     (["--loss.stochastic.extra.cof=1"], "--loss.stochastic.extra.cof: unknown flag"),
+    # a typo of an existing term's name added a second term, silently
+    (["--loss.stochastic.stochstic.coeff=0.5"], "--loss.stochastic.stochstic.coeff: "
+     "loss.stochastic has no entry 'stochstic'; did you mean "
+     "--loss.stochastic.stochastic.coeff?"),
     (["--name=../../elsewhere"], "name: '../../elsewhere' is not a plain name"),
     (["--name="], "name: '' is not a plain name"),
     (["--target.path={tmp}"], "target.path: {tmp} is a directory; expected a safetensors file"),
@@ -166,6 +170,10 @@ def test_a_flag_adds_the_mapping_entry_a_yaml_would(tmp_path):
     assert config_lib.to_dict(from_flags) == config_lib.to_dict(from_yaml)
     assert from_flags.decomp.tie == {"linear2": "linear1"}
     assert from_flags.loss.persistent_pgd["adv"].n_warmup == 0  # the field's default
+    # a name that extends an existing one is a new entry, not a typo of it
+    more, _ = cli.parse_config_args(["--loss.stochastic.stochastic2.coeff=0.5"])
+    assert list(more.loss.stochastic) == ["stochastic", "layerwise", "stochastic2"]
+    assert more.loss.stochastic["stochastic2"].coeff == 0.5
 
 
 def test_a_site_key_with_dots_is_a_flag_like_any_other(tmp_path):
