@@ -280,6 +280,8 @@ def cmd_pretrain(args: list[str]) -> int:
 
     cfg, extra = parse_config_args(args, {"output": TARGET_OUTPUT})
     out = target_output(cfg, extra["output"])
+    if build.already_pretrained(out, cfg.target):
+        return 0
     target = build.pretrain(cfg.target)
     build.check(target, cfg.target)
     build.save(target, cfg.target, out)

@@ -64,6 +64,27 @@ def test_pretrain_loss_falls_and_the_file_loads_back(store, tmp_path):
     assert np.mean(losses) == pytest.approx(evals[-1], rel=1e-4)
 
 
+def test_a_finished_pretraining_is_not_redone_and_another_replaces_it_said(store, tmp_path,
+                                                                          capsys):
+    """The same command again found nothing to resume and trained every step again; one of
+    another config replaced the file without a word."""
+    out = str(tmp_path / "lm.safetensors")
+    assert lm_pretrain.main([*TINY, "--store", store, "--output", out]) == 0
+    written = {p: open(p, "rb").read() for p in (out, lm_pretrain.metrics_path(out))}
+    capsys.readouterr()
+    assert lm_pretrain.main([*TINY, "--store", store, "--output", out]) == 0
+    said = capsys.readouterr().out
+    assert f"{out}: already complete: it holds the target of this config, pretrained on this " \
+           "token store; nothing to do" in said
+    assert {p: open(p, "rb").read() for p in written} == written
+    longer = "--target.llama_simple_mlp.pretrain.steps=60"
+    assert lm_pretrain.main([*TINY, longer, "--store", store, "--output", out]) == 0
+    assert (f"{out} holds a target pretrained otherwise (target.llama_simple_mlp.pretrain."
+            "steps: 50 there, 60 here); this pretraining replaces it") in capsys.readouterr().out
+    assert open(out, "rb").read() != written[out]
+    assert json.loads(open(lm_pretrain.metrics_path(out)).readlines()[-1])["step"] == 60
+
+
 def test_pretrain_refuses_what_the_lm_cannot_read(store, tmp_path):
     """... and a refusal leaves nothing: no lock file, no dir made for the output."""
     out = str(tmp_path / "new" / "dirs" / "lm.safetensors")

@@ -30,7 +30,7 @@ from absl import logging
 from safetensors import numpy as safetensors_numpy
 
 from ppgd_tpu import cache, storage
-from ppgd_tpu.config import ConfigError, TargetConfig, to_dict
+from ppgd_tpu.config import ConfigError, TargetConfig, from_dict, leaves, to_dict
 from ppgd_tpu.targets import llama_simple_mlp, resid_mlp, tms
 from ppgd_tpu.targets.base import Target
 
@@ -155,6 +155,46 @@ def header(path: str) -> bytes | None:
         return storage.read_range(path, 0, 8 + size)
     except (OSError, ValueError):
         return None
+
+
+def pretrained_differences(path: str, cfg: TargetConfig, store_id: str | None = None
+                           ) -> list[str] | None:
+    """What `pretrain` would do differently than the pretraining that wrote the target at
+    `path`: the config fields (and, for an LM, the token store) that differ; [] when it
+    would write the same target; None when `path` holds no target `pretrain` wrote."""
+    head = header(path) if storage.exists(path) else None
+    saved = recorded(head or b"", "target")
+    if saved is None:
+        return None
+    try:
+        theirs = {p: v for p, _, v, _ in leaves(from_dict(TargetConfig, saved))}
+    except ConfigError as e:
+        return [f"its target config, which this version cannot read ({e})"]
+    out = [f"target.{p}: {theirs.get(p)!r} there, {v!r} here"
+           for p, _, v, _ in leaves(cfg) if p != "path" and theirs.get(p) != v]
+    data = recorded(head, "data") or {}
+    if store_id is not None and data.get("store_id") != store_id:
+        out.append(f"the token store: {data.get('store')} there (id "
+                   f"{str(data.get('store_id'))[:12]}...), id {store_id[:12]}... here")
+    return out
+
+
+def already_pretrained(path: str, cfg: TargetConfig, store_id: str | None = None) -> bool:
+    """True, said, when `path` holds the target `pretrain` would write for `cfg` (on the
+    store `store_id`): pretraining is deterministic, so it would write it again. A target
+    pretrained otherwise there is said to be replaced (False)."""
+    differ = pretrained_differences(path, cfg, store_id)
+    if differ == []:
+        on = ", pretrained on this token store" if store_id else ""
+        print(f"{path}: already complete: it holds the target of this config{on}; nothing to "
+              "do (move it away to pretrain it again)")
+        return True
+    if differ:
+        more = f"; ... {len(differ)} in all" if len(differ) > 4 else ""
+        print(f"{path} holds a target pretrained otherwise ({'; '.join(differ[:4])}{more}); "
+              "this pretraining replaces it once done (runs started from it will refuse to "
+              "resume on the new weights)")
+    return False
 
 
 def check_tokenizer(path: str, tokenizer_id: str | None, store: str) -> None:

@@ -147,9 +147,9 @@ def _optimizer(cfg: TargetConfig) -> optax.GradientTransformation:
 
 
 def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
-                progress: bool = True) -> dict:
+                progress: bool = True) -> dict | None:
     """Trains the LM of `cfg` on the store at `store_path`, saves it to `output`; returns
-    the final {"train/loss", "eval/loss", ...}."""
+    the final {"train/loss", "eval/loss", ...}, or None when `output` already holds it."""
     if cfg.kind != "llama_simple_mlp":
         raise ConfigError(f"target.kind: {cfg.kind!r} is not an LM; lm_pretrain trains "
                           "'llama_simple_mlp' (toy targets pretrain without a store)")
@@ -170,6 +170,9 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
         raise ConfigError(
             f"target.llama_simple_mlp.pretrain.eval_rows: {pc.eval_rows} held-out rows leave "
             f"fewer than one batch ({pc.batch_size}) of the store's {store.n_rows} rows")
+    if not storage.exists(resume_path(output)) and build.already_pretrained(
+            output, cfg, store.store_id):
+        return None
     train, held_out = train_eval_schedules(
         store.n_rows, train_batch=pc.batch_size, train_seed=cfg.seed,
         eval_batch=min(pc.batch_size, pc.eval_rows), eval_seed=cfg.seed + 1,
@@ -322,6 +325,8 @@ def main(argv: list[str]) -> int:
 
     with lockfile.holding(lock_path(out), in_use):
         summary = pretrain_lm(cfg.target, extra["store"], out, progress=cfg.log.progress)
+    if summary is None:
+        return 0
     print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
     print(f"saved the {cfg.target.kind} target to {out} (metrics: {metrics_path(out)}); use it "
           f"with --target.path={out}")
