@@ -53,6 +53,10 @@ def _acquire(path: str) -> int | None:
     lock_file = os.path.join(path, LOCK)
     try:
         os.makedirs(path, exist_ok=True)
+    except OSError as e:  # e.g. under /proc, or a full or read-only filesystem
+        raise ConfigError(f"--run_dir: cannot create the directory {path} "
+                          f"({e.strerror or e}); give a path this user can create") from None
+    try:
         return lockfile.acquire(lock_file)
     except lockfile.Held as e:
         raise ConfigError(
