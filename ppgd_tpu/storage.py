@@ -123,6 +123,15 @@ def check_creatable(path: str, *, directory: bool) -> None:
             raise ValueError(f"{probe} is a file, so {path} cannot be created")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"no permission to write in {probe}")
+    trial = os.path.join(probe, f".ppgd-tpu-probe-{os.getpid()}")
+    try:  # what access() cannot tell: /proc, a filesystem that refuses new entries
+        os.mkdir(trial)
+        os.rmdir(trial)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ValueError(f"{path} cannot be created: {probe} takes no new entries "
+                         f"({e.strerror or e})") from None
 
 
 def short_error(e: Exception, limit: int = 400) -> str:

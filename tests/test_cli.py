@@ -627,7 +627,7 @@ def test_unwritable_paths_are_refused_before_any_compute(tmp_path, capsys, monke
             (["train", f"--run_dir={afile}"], f"--run_dir: {afile} exists and is not a directory"),
             (["train", f"--run_dir={afile / 'r'}"], f"--run_dir: {afile} is a file, so"),
             (["train", "--run_dir=/proc/ppgd-tpu/r"],  # said: cannot open .../.lock
-             "--run_dir: cannot create the directory /proc/ppgd-tpu/r"),
+             "--run_dir: /proc/ppgd-tpu/r cannot be created: /proc takes no new entries"),
             (["pretrain", f"--output={afile / 't.safetensors'}"], f"--output: {afile} is a file"),
             (["pretrain", f"--output={tmp_path}"], f"--output: {tmp_path} exists and is not a file"),
             (["pretrain", f"--output={tmp_path / 'new'}/"], f"--output: {tmp_path / 'new'}/ ends "
