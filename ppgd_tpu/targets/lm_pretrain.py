@@ -255,16 +255,15 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
                     new_target, new_opt_state, loss, gnorm = step(target, opt_state, rows)
                     # Step n's lines are written before its state is kept: a stop's raise
                     # lands before the state moves on (save leaves them out) or after.
-                    n = s + 1
+                    n, logged = s + 1, None
                     if n % pc.log_every == 0 or n == pc.steps:
                         summary = {"step": n, "train/loss": float(loss),
                                    "train/grad_norm": float(gnorm),
                                    "train/epoch": train.epoch(s)}
                         write(summary)
                         check(summary)
-                        bar.update(pc.log_every if n % pc.log_every == 0
-                                   else n % pc.log_every, summary["train/loss"])
-                        logging.info("pretrain step %d: loss %.4f", n, summary["train/loss"])
+                        logged = summary["train/loss"]
+                        logging.info("pretrain step %d: loss %.4f", n, logged)
                     if n % pc.eval_every == 0 or n == pc.steps:
                         ev = {"step": n, "eval/loss": evaluate(new_target)}
                         write(ev)
@@ -272,6 +271,7 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
                         summary.update(ev)
                         logging.info("pretrain step %d: eval loss %.4f", n, ev["eval/loss"])
                     target, opt_state, done = new_target, new_opt_state, n  # one store
+                    bar.update(1, logged)  # each step: a stop leaves the bar where it is
                     if pc.checkpoint_every and done % pc.checkpoint_every == 0 \
                             and done != pc.steps:
                         save(done)
