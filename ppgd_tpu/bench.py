@@ -451,7 +451,8 @@ def bench_run(args: list[str]) -> int:
     """`--compile_cache=cold` (default) times a first run (a fresh, empty compile cache);
     `warm` a repeat run (one untimed run fills a fresh cache first); `off` runs without one."""
     cfg, extra = cli.parse_config_args(args, {
-        "run_dir": ("", "run dir (default: a temp dir)"),
+        "run_dir": ("", "run dir (default: a new temp dir, kept for a look; the output's "
+                    "run_dir names it)"),
         "compile_cache": ("cold", "cold: first run; warm: a repeat run; off: no cache",
                           cli.choice("cold", "warm", "off"))})
     mode = extra["compile_cache"]
@@ -500,8 +501,10 @@ def bench_ckpt(args: list[str]) -> int:
     from ppgd_tpu import checkpoint, resume
     from ppgd_tpu.engine import Trainer
 
-    cfg, extra = cli.parse_config_args(args, {"n_saves": ("5", "saves to time", cli.count),
-                                              "run_dir": ("", "where to write (default: temp)")})
+    cfg, extra = cli.parse_config_args(args, {
+        "n_saves": ("5", "saves to time", cli.count),
+        "run_dir": ("", "where to write (default: a new temp dir, kept; the output's run_dir "
+                    "names it)")})
     run_dir = _fresh_dir(extra["run_dir"], "ppgd-bench-ckpt-")
     trainer = Trainer(cfg)
     state = trainer.init_state()
