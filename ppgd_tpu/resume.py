@@ -96,13 +96,17 @@ def log_window(manifest: Manifest) -> list[dict]:
     return window
 
 
+def restore_fields(dec: Decomposer, target, arrays: dict, fields: tuple[str, ...]) -> dict:
+    """{field: that TrainState field of `arrays`} (host numpy from checkpoint.restore),
+    shaped like init's."""
+    template = jax.eval_shape(dec.init, target)
+    return {f: _fill(getattr(template, f), arrays, _state_prefix(f)) for f in fields}
+
+
 def restore_state(dec: Decomposer, target, arrays: dict) -> TrainState:
     """The TrainState of `arrays` (host numpy from checkpoint.restore), shaped like init."""
-    template = jax.eval_shape(dec.init, target)
-    fields = {f: _fill(getattr(template, f), arrays, _state_prefix(f))
-              for f in ("step", "components", "ci_fn", "opt_components", "opt_ci_fn",
-                        "adversaries")}
-    return TrainState(**fields)
+    return TrainState(**restore_fields(dec, target, arrays, (
+        "step", "components", "ci_fn", "opt_components", "opt_ci_fn", "adversaries")))
 
 
 def restore_window(replay: ReplayController, dec: Decomposer, state: TrainState, target,

@@ -101,3 +101,32 @@ def test_eval_needs_a_run_with_a_committed_checkpoint(tmp_path, capsys):
     (run / "config.yaml").write_text("name: x\n")
     assert cli.run(["eval", f"--run_dir={run}"]) == 2
     assert f"--run_dir: {run} has no committed checkpoint yet" in capsys.readouterr().err
+
+
+def test_load_run_gives_the_ci_the_runs_eval_measured(run):
+    """`ppgd_tpu.load_run`: the components of load_decomposition, and a CI function whose
+    CI on the one-hot inputs 0.75 e_i gives the run's own final one-hot metrics."""
+    import numpy as np
+
+    import ppgd_tpu
+    from ppgd_tpu.eval import identity_ci_error
+
+    got = ppgd_tpu.load_run(str(run))
+    assert got.step == 40
+    final = ppgd_tpu.load_decomposition(str(run))
+    for s in final:
+        for part in ("V", "U"):
+            np.testing.assert_array_equal(got.components[s][part], final[s][part])
+    summary = json.load(open(run / "summary.json"))
+    ci = got.ci(0.75 * np.eye(5))
+    for s, c in ci.items():
+        assert c.shape == (5, 20) and 0 <= c.min() and c.max() <= 1
+        assert identity_ci_error(c, 0.1) == summary[f"eval/identity_ci_error/{s}"]
+        assert np.mean(np.sum(c > 0.1, -1)) == pytest.approx(summary[f"eval/onehot_ci_l0/{s}"])
+    earlier = ppgd_tpu.load_run(str(run), step=20)
+    assert earlier.step == 20 and not np.array_equal(earlier.components["linear1"]["V"],
+                                                     final["linear1"]["V"])
+    with pytest.raises(ValueError, match=r"inputs: expected \[batch, 5\]"):
+        got.ci(np.ones((3, 4)))
+    with pytest.raises(ValueError, match="step: 7 is not a committed checkpoint"):
+        ppgd_tpu.load_run(str(run), step=7)

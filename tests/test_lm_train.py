@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ppgd_tpu
 from ppgd_tpu import cli
 from ppgd_tpu.config import load
 from ppgd_tpu.data import lm as data_lib
@@ -103,6 +104,13 @@ def test_tiny_lm_decomposition_through_the_cli(corpus, tmp_path):
         assert r["train/perf/tokens_per_s"] == pytest.approx(8 * (st.seq_len - 1) / step_s)
     assert summary["eval/ce/clean"] == pytest.approx(
         float(lm_pretrain.next_token_loss(target, rows)), rel=1e-5)
+    # ppgd_tpu.load_run's CI fn on the same rows' inputs: the run's own CI L0, per position
+    inputs = np.asarray(rows)[:, :-1]
+    ci = ppgd_tpu.load_run(str(run_dir)).ci(inputs)
+    for s in sites:
+        assert ci[s].shape == (*inputs.shape, 16)
+        assert np.mean(np.sum(ci[s] > 0.1, -1)) == pytest.approx(summary[f"eval/ci_l0/{s}"],
+                                                                rel=1e-5)
     # Zero-ablating both MLPs of a trained LM costs more than its components with masks 1.
     assert summary["eval/kl/zero"] > summary["eval/kl/unmasked"]
     assert summary["eval/ce/zero"] > summary["eval/ce/clean"]
