@@ -150,3 +150,18 @@ def tensorboard_series(tb_dir) -> dict[tuple[str, int], float]:
                 assert key not in seen, f"{key} shown twice"
                 seen[key] = value.simple_value
     return seen
+
+
+def snapshot(root, skip: tuple[str, ...] = ()) -> dict:
+    """Every entry below `root` (but the relative paths in `skip` and what is under them):
+    a file's bytes, a dir's mode; equal before and after = nothing was touched."""
+    out = {}
+    for here, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if os.path.relpath(os.path.join(here, d), root) not in skip]
+        for d in dirs:
+            path = os.path.join(here, d)
+            out[os.path.relpath(path, root)] = os.stat(path).st_mode
+        for f in files:
+            with open(os.path.join(here, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(here, f), root)] = fh.read()
+    return out

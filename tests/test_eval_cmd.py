@@ -6,23 +6,13 @@ import json
 import os
 
 import pytest
+from conftest import snapshot
 
 from ppgd_tpu import cli
 
 TINY = ["--decomp.steps=40", "--data.batch_size=64", "--eval.batch_size=256", "--eval.every=20",
         "--log.every=10", "--log.progress=false", "--eval.pgd_steps=2",
         "--checkpoint.every=10", "--checkpoint.keep_last_n=4"]
-
-
-def _snapshot(root, skip=("evals",)) -> dict:
-    """Every file under `root` (but `skip`) -> its bytes."""
-    out = {}
-    for here, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if os.path.relpath(os.path.join(here, d), root) not in skip]
-        for f in files:
-            with open(os.path.join(here, f), "rb") as fh:
-                out[os.path.relpath(os.path.join(here, f), root)] = fh.read()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +28,14 @@ def _evals(run_dir) -> dict[int, dict]:
 
 
 def test_eval_of_the_last_checkpoint_repeats_the_final_summary(run, capsys):
-    before = _snapshot(run)
+    before = snapshot(run, skip=("evals",))
     assert cli.run(["eval", f"--run_dir={run}"]) == 0
     out = run / "evals" / "step_40"
     assert json.load(open(out / "summary.json")) == json.load(open(run / "summary.json"))
     assert sorted(os.listdir(out / "figures")) == sorted(os.listdir(run / "figures"))
     assert (out / "config.yaml").read_text() == (run / "config.yaml").read_text()
     assert f"evaluated step 40 of {run}: {out}/summary.json" in capsys.readouterr().out
-    assert _snapshot(run) == before  # the run's own files are only read
+    assert snapshot(run, skip=("evals",)) == before  # the run's own files are only read
 
 
 def test_eval_of_an_earlier_step_repeats_that_steps_eval_line(run):
@@ -85,10 +75,10 @@ def test_eval_settings_change_and_are_recorded(run, tmp_path):
     (["--eval.batch_size=x"], "eval.batch_size: 'x' is not an integer"),
 ])
 def test_refused_eval_flags_exit_2_and_change_nothing(run, capsys, argv, needle):
-    before = _snapshot(run, skip=())
+    before = snapshot(run)
     assert cli.run(["eval", f"--run_dir={run}", *[a.format(run=run) for a in argv]]) == 2
     assert needle.format(run=run) in capsys.readouterr().err
-    assert _snapshot(run, skip=()) == before
+    assert snapshot(run) == before
 
 
 def test_eval_needs_a_run_with_a_committed_checkpoint(tmp_path, capsys):

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import snapshot
 from safetensors import numpy as safetensors_numpy
 
 from ppgd_tpu import cli, storage
@@ -37,19 +38,6 @@ ARGS = [f"--decomp.steps={N}", "--log.every=2", "--checkpoint.every=4", *FLAGS]
 
 def _train(run_dir, *extra) -> int:
     return cli.run(["train", f"--run_dir={run_dir}", *ARGS, *extra])
-
-
-def _snapshot(root) -> dict:
-    """Every entry below `root`: a file's bytes, a dir's mode."""
-    out = {}
-    for here, dirs, files in os.walk(root):
-        for d in dirs:
-            path = os.path.join(here, d)
-            out[os.path.relpath(path, root)] = os.stat(path).st_mode
-        for f in files:
-            with open(os.path.join(here, f), "rb") as fh:
-                out[os.path.relpath(os.path.join(here, f), root)] = fh.read()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +82,13 @@ def test_A_a_hand_edited_config_yaml_is_refused_naming_it(run, empty_cache, caps
     file; with the run's flags or none, before the target is built, nothing touched."""
     config_yaml = run / "config.yaml"
     config_yaml.write_text(edit(config_yaml.read_text()))
-    before = _snapshot(run)
+    before = snapshot(run)
     for argv in (ARGS, []):  # no flags: the embedded default, which an empty file once was
         rc = cli.run(["train", f"--run_dir={run}", *argv])
         err = capsys.readouterr().err
         assert rc == 2 and f"--run_dir: {config_yaml} {needle}" in err, err
         assert "restore the original, or use a new --run_dir" in err
-    assert _snapshot(run) == before and not empty_cache.exists()
+    assert snapshot(run) == before and not empty_cache.exists()
 
 
 # ------------------------------------------------------------------- B: config.yaml missing
@@ -115,7 +103,7 @@ def test_B_a_run_dir_with_files_but_no_config_yaml_is_refused_not_started_over(
         for name in os.listdir(run):
             if name != keep:
                 (shutil.rmtree if (run / name).is_dir() else os.remove)(run / name)
-    before = _snapshot(run)
+    before = snapshot(run)
     rc = _train(run)
     err = capsys.readouterr().err
     shown = {"all but config.yaml": "ckpts/, metrics.jsonl", "metrics.jsonl": "metrics.jsonl",
@@ -123,7 +111,7 @@ def test_B_a_run_dir_with_files_but_no_config_yaml_is_refused_not_started_over(
     assert rc == 2, err
     assert f"--run_dir: {run} is not empty (it holds {shown}) but has no config.yaml" in err, err
     assert "Use a new --run_dir" in err and f"restore {run / 'config.yaml'}" in err
-    assert _snapshot(run) == before and not empty_cache.exists()
+    assert snapshot(run) == before and not empty_cache.exists()
 
 
 def test_B_what_an_interrupted_start_leaves_is_still_a_new_run_dir(tmp_path):
@@ -181,7 +169,7 @@ def test_C_an_unwritable_cache_warns_and_the_run_uses_the_trained_target(tmp_pat
     want = build.fingerprint(build.build(cfg.target), cfg.target)  # the session's cache
     cache_root = _unwritable_cache(tmp_path, how)
     monkeypatch.setenv("PPGD_TPU_CACHE", str(cache_root))
-    before = _snapshot(tmp_path / "ro_cache") if (tmp_path / "ro_cache").exists() else None
+    before = snapshot(tmp_path / "ro_cache") if (tmp_path / "ro_cache").exists() else None
     caplog.set_level(logging.WARNING)
     try:
         assert _train(tmp_path / "r") == 0
@@ -196,7 +184,7 @@ def test_C_an_unwritable_cache_warns_and_the_run_uses_the_trained_target(tmp_pat
     assert (tmp_path / "r" / "summary.json").exists()
     assert (tmp_path / "afile").read_text() == "not a directory"
     if before is not None:
-        assert _snapshot(tmp_path / "ro_cache") == before
+        assert snapshot(tmp_path / "ro_cache") == before
     assert json.loads((tmp_path / "r" / "target.json").read_text())["sha256"] == want
 
 
@@ -215,13 +203,13 @@ def test_G_a_metrics_jsonl_damaged_before_its_last_line_is_refused_naming_the_li
     bad = {"not utf-8": b'{"step": 3, "note": "\xff\xfe"}\n', "cut mid-line": b'{"step": 3, "tr\n',
            "no step": b'{"train/loss/total": 1.0}\n', "not an object": b"[3]\n"}[damage]
     metrics.write_bytes(b"".join([lines[0], bad, *lines[1:]]))
-    before = _snapshot(run)
+    before = snapshot(run)
     rc = _train(run)
     err = capsys.readouterr().err
     assert rc == 2, err
     assert f"--run_dir: {metrics}: line 2 is not a metrics record" in err, err
     assert "delete that line" in err and "Traceback" not in err
-    assert _snapshot(run) == before and not empty_cache.exists()
+    assert snapshot(run) == before and not empty_cache.exists()
     metrics.write_bytes(b"".join(lines))
     assert _train(run) == 0 and (run / "summary.json").exists()
 
@@ -233,12 +221,12 @@ def test_G_a_file_where_the_run_keeps_a_directory_is_refused_naming_it(run, empt
     if path.is_dir():
         shutil.move(path, run.parent / f"{name}.saved")
     path.write_text("not a directory")
-    before = _snapshot(run)
+    before = snapshot(run)
     rc = _train(run, "--log.tensorboard=true", "--eval.figures=true")
     err = capsys.readouterr().err
     assert rc == 2, err
     assert f"--run_dir: {path} is a file; the run keeps a directory there" in err, err
-    assert _snapshot(run) == before and not empty_cache.exists()
+    assert snapshot(run) == before and not empty_cache.exists()
     path.unlink()
     if (run.parent / f"{name}.saved").exists():
         shutil.move(run.parent / f"{name}.saved", path)
@@ -312,10 +300,10 @@ def test_D_resuming_a_run_dir_that_cannot_be_written_is_refused_before_compute(
     is built (the empty cache stays empty) or anything restored; nothing touched."""
     path = os.path.normpath(run / where)
     with _read_only(path):
-        before = _snapshot(run)
+        before = snapshot(run)
         rc = _train(run)
         err = capsys.readouterr().err
-        assert _snapshot(run) == before
+        assert snapshot(run) == before
     assert rc == 2, err
     assert (f"--run_dir: no permission to write in {path}, so the run in {run} cannot be "
             "resumed" in err or f"--run_dir: {path} is on a read-only file system" in err), err
