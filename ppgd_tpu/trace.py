@@ -69,13 +69,17 @@ class StepTrace:
 
     def _store(self) -> None:
         jax.profiler.stop_trace()
-        name = f"{socket.gethostname()}-p{jax.process_index()}"
-        files = [p for p in pathlib.Path(self._dir.name).rglob("*") if p.is_file()]
-        for p in files:  # <stamp>/<hostname>.<kind>: one stamp, one host per process
-            kind = p.name.split(".", 1)[1]
-            storage.write_bytes(storage.join(self._out, f"{name}.{kind}"), p.read_bytes())
-        self._dir.cleanup()
-        self._dir = None
+        local, self._dir = self._dir, None  # stopped: a failing write below is the error
+        host = socket.gethostname()
+        files = [p for p in pathlib.Path(local.name).rglob("*") if p.is_file()]
+        try:
+            for p in files:  # <stamp>/<host>.<kind>; the host name may hold dots
+                kind = p.name[len(host) + 1:] if p.name.startswith(host + ".") \
+                    else p.name.split(".", 1)[-1]
+                storage.write_bytes(storage.join(self._out, f"{host}-p{jax.process_index()}"
+                                                 f".{kind}"), p.read_bytes())
+        finally:
+            local.cleanup()
         if dist.is_main():
             self._say(f"profile of steps {self._start + 1}..{self._last}: {self._out}/ "
                       f"(each process's files; `tensorboard --logdir` the run dir, or "

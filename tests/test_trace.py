@@ -3,6 +3,7 @@ in RUN_DIR/profile in the layout TensorBoard's profile plugin reads."""
 
 import gzip
 import json
+import shutil
 import socket
 
 import pytest
@@ -44,3 +45,18 @@ def test_no_profile_by_default(tmp_path):
     run_dir = tmp_path / "r"
     assert cli.run(["train", f"--run_dir={run_dir}", *TINY]) == 0
     assert not (run_dir / "profile").exists()
+
+
+def test_a_trace_that_cannot_be_stored_fails_with_that_error(tmp_path, capsys):
+    """The store's own error is the failure: it was masked by a second stop of the profiler
+    ("No profile started")."""
+    run_dir = tmp_path / "r"
+    argv = ["train", f"--run_dir={run_dir}", *TINY, "--checkpoint.every=4"]
+    assert cli.run(argv) == 0
+    for name in ("summary.json", "decomposition.safetensors"):
+        (run_dir / name).unlink()
+    shutil.rmtree(run_dir / "ckpts" / "12")  # resumes from step 8
+    (run_dir / "profile").mkdir()
+    (run_dir / "profile" / "plugins").write_text("a file where the trace's dirs go")
+    with pytest.raises(NotADirectoryError, match="plugins"):
+        cli.run([*argv, "--log.profile_start=9", "--log.profile_steps=2"])
