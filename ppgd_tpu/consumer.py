@@ -66,7 +66,7 @@ def load_run(run_dir: str, step: int | None = None) -> Run:
     rd = RunDir(run_dir)
     if not rd.exists:
         raise FileNotFoundError(f"{rd.path}: no run there (no config.yaml)")
-    committed = [e.step for e in checkpoint.list_steps(rd.path) if e.committed]
+    committed = checkpoint.committed_steps(rd.path)
     if not committed:
         raise FileNotFoundError(f"{rd.path}: no committed checkpoint yet")
     step = committed[-1] if step is None else step

@@ -390,6 +390,31 @@ def _print_summary(summary: dict) -> None:
         print(note)
 
 
+def _eval_output(rd: RunDir, output: str | None, step: int) -> str:
+    """Where `ppgd-tpu eval` writes: RUN_DIR/evals/step_<step>, or `output` when that is in
+    no run dir (a run's own config.yaml, summary.json and figures/ must not be replaced)."""
+    evals = storage.join(rd.path, EVALS)
+    try:
+        out = storage.normalize(output or storage.join(evals, f"step_{step}"))
+        storage.check_creatable(out, directory=True)
+    except ValueError as e:
+        raise ConfigError(f"--output: {e}") from None
+    if out == evals or out.startswith(evals + "/"):
+        return out
+    here = out
+    while True:
+        if storage.exists(storage.join(here, CONFIG)):
+            where = "is a run dir" if here == out else f"is inside the run dir {here}"
+            raise ConfigError(
+                f"--output: {out} {where}; eval writes config.yaml, summary.json and "
+                "figures/, which would replace or mix with a run's own: give a dir outside "
+                "any run dir, or leave --output out (RUN_DIR/evals/step_<step>)")
+        parent = here.rsplit("/", 1)[0] if "/" in here.split("://")[-1] else here
+        if parent in (here, "") or parent.endswith(":/"):
+            return out
+        here = parent
+
+
 def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str | None) -> dict:
     """`ppgd-tpu eval`: the fast tier and the figures of the committed checkpoint `step`
     (None: the latest) of the run in `rd`, under `cfg` (its config, eval fields changed),
@@ -397,7 +422,7 @@ def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str |
     summary.json. It only reads the run's files and takes no lock, so a run that is still
     training can be evaluated; the run never touches evals/."""
     _check_one_config(cfg)
-    committed = [e.step for e in checkpoint.list_steps(rd.path) if e.committed]
+    committed = checkpoint.committed_steps(rd.path)
     if not committed:
         raise ConfigError(f"--run_dir: {rd.path} has no committed checkpoint yet (a run "
                           "commits one on checkpoint.every, on a stop signal and at its end)")
@@ -405,15 +430,18 @@ def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str |
     if step not in committed:
         raise ConfigError(f"--step: {step} is not a committed checkpoint of {rd.path}; "
                           f"its committed steps: {', '.join(map(str, committed))}")
-    out = output or storage.join(rd.path, EVALS, f"step_{step}")
-    try:
-        out = storage.normalize(out)
-        storage.check_creatable(out, directory=True)
-    except ValueError as e:
-        raise ConfigError(f"--output: {e}") from None
+    out = _eval_output(rd, output, step)
     trainer = Trainer(cfg)
     rd.check_inputs(cfg, trainer.target_sha256, None)  # the run's weights; any store
-    restored = trainer.restore(rd.path, step)
+    try:
+        restored = trainer.restore(rd.path, step)
+    except (FileNotFoundError, checkpoint.DamagedCheckpoint):
+        if step in checkpoint.committed_steps(rd.path):
+            raise
+        raise ConfigError(f"--step: checkpoint {step} of {rd.path} was deleted while it was "
+                          "read (the running run's retention, checkpoint.keep_last_n; "
+                          "checkpoint.keep_every keeps some for good): evaluate a newer "
+                          "one") from None
     try:
         state = resume.restore_state(trainer.dec, trainer.target, restored.arrays)
     except checkpoint.DamagedCheckpoint as e:

@@ -73,6 +73,10 @@ def test_eval_settings_change_and_are_recorded(run, tmp_path):
     (["--output={run}/summary.json"], "--output: {run}/summary.json exists and is not a "
                                       "directory"),
     (["--eval.batch_size=x"], "eval.batch_size: 'x' is not an integer"),
+    # the run's own config.yaml and summary.json were replaced: it then said already complete
+    (["--output={run}"], "--output: {run} is a run dir; eval writes config.yaml"),
+    (["--output={run}/figures"], "--output: {run}/figures is inside the run dir {run}; eval"),
+    (["--output={run}/ckpts/new"], "--output: {run}/ckpts/new is inside the run dir {run}"),
 ])
 def test_refused_eval_flags_exit_2_and_change_nothing(run, capsys, argv, needle):
     before = snapshot(run)

@@ -146,6 +146,11 @@ def list_steps(run_dir: str) -> list[StepEntry]:
     return [StepEntry(s, is_committed(step_dir(run_dir, s)), step_dir(run_dir, s)) for s in steps]
 
 
+def committed_steps(run_dir: str) -> list[int]:
+    """The steps with a committed checkpoint, oldest first."""
+    return [e.step for e in list_steps(run_dir) if e.committed]
+
+
 def latest_step(run_dir: str) -> int | None:
     """[C4] The newest committed step; newer incomplete ones are skipped with a warning."""
     entries = list_steps(run_dir)
