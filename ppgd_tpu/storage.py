@@ -123,6 +123,8 @@ def check_creatable(path: str, *, directory: bool) -> None:
             raise ValueError(f"{probe} is a file, so {path} cannot be created")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"no permission to write in {probe}")
+    if os.path.exists(path):  # nothing to create: a probe there would show to others
+        return
     trial = os.path.join(probe, f".ppgd-tpu-probe-{os.getpid()}")
     try:  # what access() cannot tell: /proc, a filesystem that refuses new entries
         os.mkdir(trial)
