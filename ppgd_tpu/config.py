@@ -564,21 +564,22 @@ def with_entries(cfg: Config, named: dict[str, str | None]) -> Config:
     (the flag then sets `coeff`). Other names are left for the flag parser to refuse."""
     known = {p for p, _, _, _ in leaves(cfg)}
     data = to_dict(cfg)
+    before = to_dict(cfg)  # the entries the config had: a flag's new one may not be their typo
     for name, text in named.items():
         if name in known:
             continue
         for path, val_tp, _ in _mappings(cfg):
             if not name.startswith(path + "."):
                 continue
-            rest, node = name[len(path) + 1:], data
+            rest, node, had = name[len(path) + 1:], data, before
             for p in path.split("."):  # a mapping's path is field names: no dots inside
-                node = node[p]
+                node, had = node[p], had[p]
             if _is_dataclass_type(val_tp):
                 for leaf, _, _, _ in leaves(val_tp()):
                     if rest.endswith("." + leaf):
                         entry = rest[:-len(leaf) - 1]
                         if entry not in node:
-                            _check_not_a_typo(f"{path}.{entry}", list(node), leaf)
+                            _check_not_a_typo(f"{path}.{entry}", list(had), leaf)
                         node.setdefault(entry, {})
             else:
                 node[rest] = parse_override(text or "", val_tp, name)

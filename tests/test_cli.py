@@ -174,6 +174,11 @@ def test_a_flag_adds_the_mapping_entry_a_yaml_would(tmp_path):
     more, _ = cli.parse_config_args(["--loss.stochastic.stochastic2.coeff=0.5"])
     assert list(more.loss.stochastic) == ["stochastic", "layerwise", "stochastic2"]
     assert more.loss.stochastic["stochastic2"].coeff == 0.5
+    # two new ones in one command are not each other's typo
+    two, _ = cli.parse_config_args(["--loss.persistent_pgd.term_a.coeff=1",
+                                    "--loss.persistent_pgd.term_b.coeff=2"])
+    assert {n: t.coeff for n, t in two.loss.persistent_pgd.items()} == {"term_a": 1.0,
+                                                                       "term_b": 2.0}
 
 
 def test_a_site_key_with_dots_is_a_flag_like_any_other(tmp_path):
