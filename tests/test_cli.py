@@ -556,7 +556,8 @@ def test_pretrain_writes_a_target_that_train_loads_and_bad_files_are_refused(tmp
     assert rc == 0 and out.exists()
     written = out.read_bytes()
     # the same again: nothing to do (it is deterministic); another config: replaced, said
-    rc, text, _ = _run(["pretrain", f"--output={out}", "--target.tms.train_steps=3000"], capsys)
+    rc, text, _ = _run(["pretrain", f"--output={out}", "--target.tms.train_steps=3000",
+                        "--target.resid_mlp.d_mlp=7"], capsys)  # another kind's field
     assert rc == 0 and f"{out}: already complete" in text and out.read_bytes() == written
     rc, text, _ = _run(["pretrain", f"--output={out}", "--target.tms.train_steps=3001"], capsys)
     assert rc == 0 and (f"{out} holds a target pretrained otherwise (target.tms.train_steps: "

@@ -171,12 +171,27 @@ def pretrained_differences(path: str, cfg: TargetConfig, store_id: str | None = 
     except ConfigError as e:
         return [f"its target config, which this version cannot read ({e})"]
     out = [f"target.{p}: {theirs.get(p)!r} there, {v!r} here"
-           for p, _, v, _ in leaves(cfg) if p != "path" and theirs.get(p) != v]
+           for p, _, v, _ in leaves(cfg) if _makes_weights(cfg.kind, p) and theirs.get(p) != v]
     data = recorded(head, "data") or {}
     if store_id is not None and data.get("store_id") != store_id:
         out.append(f"the token store: {data.get('store')} there (id "
                    f"{str(data.get('store_id'))[:12]}...), id {store_id[:12]}... here")
     return out
+
+
+# Fields of a kind's config that its pretraining's weights do not depend on (memory,
+# cadences of logs, evals and resume states): a change there pretrains the same target.
+NOT_WEIGHTS = {"llama_simple_mlp": ("remat", "pretrain.eval_batches", "pretrain.eval_every",
+                                    "pretrain.log_every", "pretrain.checkpoint_every")}
+
+
+def _makes_weights(kind: str, path: str) -> bool:
+    """Whether target config field `path` can change the weights pretraining `kind` gives:
+    the kind, the seed and the kind's own fields (the toy cache's key), but NOT_WEIGHTS."""
+    if path in ("kind", "seed"):
+        return True
+    head, _, field = path.partition(".")
+    return head == kind and field not in NOT_WEIGHTS.get(kind, ())
 
 
 def already_pretrained(path: str, cfg: TargetConfig, store_id: str | None = None) -> bool:
