@@ -265,8 +265,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     writer = metrics_lib.MetricsWriter(rd.path, enabled=dist.is_main(),
                                        tensorboard=cfg.log.tensorboard, resume_step=start)
     progress = metrics_lib.Progress(steps, start, cfg.log.progress and dist.is_main())
-    compiling = metrics_lib.CompileClock()
-    t_last, s_last = time.perf_counter(), start
+    clock, s_last = metrics_lib.WindowClock(), start
 
     def save(step, state):
         check_decomposition_finite(step, state)
@@ -296,19 +295,20 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                     values.update(metrics_lib.window_stats(window))
                     values["train/replay/window_position"] = s % k
                     values["train/replay/ci_updated"] = int(replay.ci_updated(s))
-                    now, compile_s = time.perf_counter(), compiling.take()
-                    values["train/perf/compile_s"] = compile_s
-                    values.update(_throughput((now - t_last - compile_s) / (done - s_last),
-                                              batch.shape, trainer.target))
+                    values.update(clock.take(done - s_last))
+                    values.update(_throughput(values["train/perf/step_time_s"], batch.shape,
+                                              trainer.target))
                     progress.update(done - s_last, values["train/loss/total"])
-                    t_last, s_last, window = now, done, []
+                    s_last, window = done, []
                     writer.write(done, values)
                     check_finite(done, values, ("train/loss/",))
                 if cfg.eval.every and done % cfg.eval.every == 0 and done != steps:
-                    writer.write(done, trainer.evaluate(state, done))
+                    with clock.aside(state):
+                        writer.write(done, trainer.evaluate(state, done))
                 saved = False
                 if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != steps:
-                    save(done, state)
+                    with clock.aside(state):
+                        save(done, state)
                     saved = True
                 if done != steps and stop.should_stop(done):  # [C5] every process, the same step
                     if not saved:
@@ -335,9 +335,9 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
 
 
 def _throughput(step_s: float, batch_shape: tuple[int, ...], target) -> dict:
-    """`train/perf/step_time_s`, and the global batch's rows (and, for a sequence target,
-    tokens) per second, as MaxText and levanter report them."""
-    out = {"train/perf/step_time_s": step_s}
+    """The global batch's rows (and, for a sequence target, tokens) per second of step
+    time, as MaxText and levanter report them."""
+    out = {}
     if step_s > 0:
         out["train/perf/examples_per_s"] = batch_shape[0] / step_s
         if target.n_features is None:  # [B, T] tokens

@@ -7,6 +7,7 @@ the device between log steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -85,6 +86,41 @@ class CompileClock:
         with CompileClock._lock:
             seconds, CompileClock._seconds = CompileClock._seconds, 0.0
         return seconds
+
+
+class WindowClock:
+    """A log window's wall time, split: compiles (`train/perf/compile_s`), evals and
+    checkpoint saves (`train/perf/eval_and_save_s`, a compile inside them counted once, as
+    a compile), and the steps: `train/perf/step_time_s` is the rest per step."""
+
+    def __init__(self):
+        self._compiles = CompileClock()
+        self._start = time.perf_counter()
+        self._compiled = self._aside = 0.0
+
+    @contextlib.contextmanager
+    def aside(self, state):
+        """Times the work inside as not the steps'. It waits for `state` first: the steps
+        still in flight (dispatch is asynchronous) are the steps' time. Evals and saves
+        wait for them anyway."""
+        jax.block_until_ready(state)
+        self._compiled += self._compiles.take()
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            inside = self._compiles.take()
+            self._compiled += inside
+            self._aside += time.perf_counter() - began - inside
+
+    def take(self, n_steps: int) -> dict:
+        """The window's split since the last call, and restart."""
+        now = time.perf_counter()
+        compile_s = self._compiled + self._compiles.take()
+        out = {"train/perf/compile_s": compile_s, "train/perf/eval_and_save_s": self._aside,
+               "train/perf/step_time_s": (now - self._start - compile_s - self._aside) / n_steps}
+        self._start, self._compiled, self._aside = now, 0.0, 0.0
+        return out
 
 
 def _record(line: str) -> dict | None:

@@ -328,6 +328,8 @@ def test_step_time_leaves_out_the_compiles_which_compile_s_shows(finished_run):
         assert r["train/perf/compile_s"] > 20 * r["train/perf/step_time_s"] > 0, r
     assert last["train/perf/compile_s"] == 0.0
     assert last["train/perf/step_time_s"] > 0
+    # the eval at step 30 falls in the window of step 40: its time is set aside as well
+    assert [r["train/perf/eval_and_save_s"] > 0 for r in train] == [False, True, False]
     for r in train:  # the global batch's rows per second (no tokens: TMS has no positions)
         assert r["train/perf/examples_per_s"] == pytest.approx(64 / r["train/perf/step_time_s"])
         assert "train/perf/tokens_per_s" not in r
