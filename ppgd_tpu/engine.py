@@ -319,7 +319,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                     writer.close()
                     print(f"stopped at step {done} ({stop.reason}); checkpoint committed in "
                           f"{rd.path}/ckpts/{done}. Resume with the same command and "
-                              f"--run_dir={rd.path}.")
+                          f"--run_dir={rd.path}.")
                     return {}
     except BaseException as e:
         progress.close()  # its line ends before the error's

@@ -127,8 +127,8 @@ class RunDir:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"--run_dir: {where} is not valid YAML ({config_lib.yaml_problem(e)}); "
-                              f"{fix}") from None
+            raise ConfigError(f"--run_dir: {where} is not valid YAML "
+                              f"({config_lib.yaml_problem(e)}); {fix}") from None
         if data is None:
             raise ConfigError(f"--run_dir: {where} is empty; {fix}")
         if not isinstance(data, dict):

@@ -8,6 +8,7 @@ from ppgd_tpu.checkpoint.manifest import (PARTS, DamagedCheckpoint, NewerCheckpo
 
 __all__ = [
     "Checkpointer", "DamagedCheckpoint", "NewerCheckpoint", "PARTS", "Restored",
-    "committed_manifest", "committed_steps", "damaged", "digest", "latest_step", "list_steps", "ls", "restore",
+    "committed_manifest", "committed_steps", "damaged", "digest", "latest_step", "list_steps",
+    "ls", "restore",
     "retain", "save", "verify",
 ]
