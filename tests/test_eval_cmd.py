@@ -28,6 +28,7 @@ def _evals(run_dir) -> dict[int, dict]:
 
 
 def test_eval_of_the_last_checkpoint_repeats_the_final_summary(run, capsys):
+    assert not (run / "profile").exists()  # log.profile_start is off by default
     before = snapshot(run, skip=("evals",))
     assert cli.run(["eval", f"--run_dir={run}"]) == 0
     out = run / "evals" / "step_40"

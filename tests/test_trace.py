@@ -41,12 +41,6 @@ def test_the_profile_holds_the_steps_after_profile_start(tmp_path, capsys, start
     assert f"profile of steps {traced[0]}..{traced[1]}: {out}/" in capsys.readouterr().out
 
 
-def test_no_profile_by_default(tmp_path):
-    run_dir = tmp_path / "r"
-    assert cli.run(["train", f"--run_dir={run_dir}", *TINY]) == 0
-    assert not (run_dir / "profile").exists()
-
-
 def test_a_trace_that_cannot_be_stored_fails_with_that_error(tmp_path, capsys):
     """The store's own error is the failure: it was masked by a second stop of the profiler
     ("No profile started")."""
