@@ -250,9 +250,7 @@ def cmd_eval(args: list[str]) -> int:
         "output": ("", "where summary.json, config.yaml and figures/ go, local or gs:// "
                    "(default: RUN_DIR/evals/step_<step>)")},
         base=base, shown=config_lib.EVAL_FIELDS)
-    run = {p: v for p, _, v, _ in config_lib.leaves(base)}
-    fixed = [p for p, _, v, _ in config_lib.leaves(cfg)
-             if not p.startswith(config_lib.EVAL_FIELDS) and (p not in run or run[p] != v)]
+    fixed = list(config_lib.changed_fields(base, cfg, config_lib.EVAL_FIELDS))
     if fixed:
         fields = [f + "*" if f.endswith(".") else f for f in config_lib.EVAL_FIELDS]
         raise UsageError(f"--{fixed[0]}: eval keeps the run's config; the fields it may be "

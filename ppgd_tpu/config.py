@@ -637,16 +637,19 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def trajectory_diff(old: Config, new: Config, also_resumable: tuple[str, ...] = ()) -> list[str]:
-    """Fields that differ and change the trajectory (refused on resume)."""
+def changed_fields(old: Config, new: Config, free: tuple[str, ...] = ()) -> dict[str, tuple]:
+    """{path: (old value, new value)} of the leaves that differ (one config lacking a leaf:
+    '<absent>'), but those whose path starts with one of `free`; in `new`'s field order."""
     a = {p: v for p, _, v, _ in leaves(old)}
     b = {p: v for p, _, v, _ in leaves(new)}
-    resumable = RESUMABLE_PREFIXES + also_resumable
-    out = []
-    for p in sorted(set(a) | set(b)):
-        if a.get(p) != b.get(p) and not p.startswith(resumable):
-            out.append(f"  {p}: {a.get(p, '<absent>')!r} -> {b.get(p, '<absent>')!r}")
-    return out
+    return {p: (a.get(p, "<absent>"), b.get(p, "<absent>")) for p in [*b, *(set(a) - set(b))]
+            if a.get(p) != b.get(p) and not p.startswith(free)}
+
+
+def trajectory_diff(old: Config, new: Config, also_resumable: tuple[str, ...] = ()) -> list[str]:
+    """Fields that differ and change the trajectory (refused on resume)."""
+    return [f"  {p}: {a!r} -> {b!r}" for p, (a, b) in
+            sorted(changed_fields(old, new, RESUMABLE_PREFIXES + also_resumable).items())]
 
 
 # ---------------------------------------------------------------- cross-field validation

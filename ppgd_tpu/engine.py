@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import posixpath
 import signal
 import time
 import warnings
@@ -402,17 +403,15 @@ def _eval_output(rd: RunDir, output: str | None, step: int) -> str:
     if out == evals or out.startswith(evals + "/"):
         return out
     here = out
-    while True:
+    while here and not here.endswith(":"):  # `out` and the dirs above it (gs://: its bucket)
         if storage.exists(storage.join(here, CONFIG)):
             where = "is a run dir" if here == out else f"is inside the run dir {here}"
             raise ConfigError(
                 f"--output: {out} {where}; eval writes config.yaml, summary.json and "
                 "figures/, which would replace or mix with a run's own: give a dir outside "
                 "any run dir, or leave --output out (RUN_DIR/evals/step_<step>)")
-        parent = here.rsplit("/", 1)[0] if "/" in here.split("://")[-1] else here
-        if parent in (here, "") or parent.endswith(":/"):
-            return out
-        here = parent
+        here = "" if posixpath.dirname(here) == here else posixpath.dirname(here)
+    return out
 
 
 def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str | None) -> dict:
