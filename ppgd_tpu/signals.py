@@ -15,6 +15,7 @@ Stdlib only: the handler is installed before anything heavy is imported.
 from __future__ import annotations
 
 import _thread
+import atexit
 import os
 import signal
 import sys
@@ -75,6 +76,15 @@ def install() -> None:
     if sys.unraisablehook is not _quiet:
         _quiet.previous = sys.unraisablehook
         sys.unraisablehook = _quiet
+        atexit.register(_ignore_from_now_on)  # first registered: runs after JAX's own
+
+
+def _ignore_from_now_on() -> None:
+    """The exit status is decided and every wait (JAX's shutdown) is over: what is left is
+    teardown. A signal there used to end a process that had saved and said so with 143,
+    for CPython puts back the default action midway, or raise in half-cleared modules."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def follow_launcher() -> None:

@@ -4,6 +4,7 @@
     python tests/dist_worker.py loop             # toy training loop with StopSignal [C5]
     python tests/dist_worker.py lost_raise       # a start-up SIGINT whose raise is lost
     python tests/dist_worker.py finished         # signals after the work is done
+    python tests/dist_worker.py teardown         # a signal once the interpreter tears down
 
 Bring-up comes from the PPGD_* environment, exactly as under `ppgd-tpu launch-local`.
 Lines starting with RESULT carry JSON for the test to check.
@@ -11,6 +12,8 @@ Lines starting with RESULT carry JSON for the test to check.
 
 import collections
 import json
+import os
+import signal
 import sys
 import time
 
@@ -108,8 +111,6 @@ def lost_raise():
     """A SIGINT that arrives during a gc callback before the loop (JAX registers one): the
     handler's raise is ignored there, yet the StopSignal stops at its first boundary."""
     import gc
-    import os
-    import signal
 
     from ppgd_tpu import signals
 
@@ -133,9 +134,6 @@ def lost_raise():
 
 def finished():
     """After signals.finished(), a real SIGTERM is noted, not raised; a second one raises."""
-    import os
-    import signal
-
     from ppgd_tpu import signals
 
     signals.install()
@@ -150,7 +148,31 @@ def finished():
         result(second_raised=True, seen=signals.seen)
 
 
+class _SignalAtTeardown:
+    """Sends this process a SIGTERM from its own finalizer: once the interpreter has
+    cleared the signal module (and `os`), so everything it uses is bound beforehand."""
+
+    def __del__(self, kill=os.kill, pid=os.getpid(), term=signal.SIGTERM, sleep=time.sleep,
+                write=os.write):
+        kill(pid, term)
+        sleep(0.2)  # the signal is delivered meanwhile
+        write(1, b"SURVIVED\n")
+
+
+def teardown():
+    """A run that is done, JAX's own exit handlers registered, and a SIGTERM while the
+    interpreter tears down (after Python's own handlers are gone)."""
+    from ppgd_tpu import signals
+
+    signals.install()
+    dist.initialize()
+    dist.barrier("up")
+    signals.finished()
+    globals()["_at_teardown"] = _SignalAtTeardown()
+    result(done=True)
+
+
 if __name__ == "__main__":
     {"collectives": collectives, "loop": loop, "lost_raise": lost_raise,
-     "finished": finished}[sys.argv[1]](
+     "finished": finished, "teardown": teardown}[sys.argv[1]](
         *sys.argv[2:])

@@ -154,6 +154,15 @@ def test_a_signal_after_the_work_is_done_is_noted_and_a_second_one_raises(start)
     assert p.result() == {"second_raised": True, "seen": ["SIGTERM", "SIGTERM"]}
 
 
+def test_a_signal_while_the_interpreter_tears_down_leaves_the_exit_status_as_it_was(start):
+    """Once a command's status is decided, a signal in its last half second (CPython puts
+    the default action back midway) used to turn a stop that had saved and said so into
+    exit 143; from the last exit handler on, signals are ignored."""
+    (p,) = start("teardown", processes=1, devices=1)
+    assert p.finish() == 0, p.output()
+    assert p.result() == {"done": True} and "SURVIVED" in p.output(), p.output()
+
+
 def _two_processes(tmp_path, extra, meanwhile=lambda procs: None):
     """Runs `train` in 2 processes (no launcher: as on a pod's hosts), process i with the
     flags extra[i], calling `meanwhile(procs)` once they started; -> (exit codes, outputs)."""
