@@ -69,7 +69,11 @@ def load_run(run_dir: str, step: int | None = None) -> Run:
     committed = checkpoint.committed_steps(rd.path)
     if not committed:
         raise FileNotFoundError(f"{rd.path}: no committed checkpoint yet")
-    step = committed[-1] if step is None else step
+    if step is None:
+        step = committed[-1]
+    elif isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(f"step: expected an int (a committed step) or None, got {step!r}")
+    step = int(step)
     if step not in committed:
         raise ValueError(f"step: {step} is not a committed checkpoint of {rd.path}; its "
                          f"committed steps: {', '.join(map(str, committed))}")

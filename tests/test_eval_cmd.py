@@ -125,3 +125,6 @@ def test_load_run_gives_the_ci_the_runs_eval_measured(run):
         got.ci(np.ones((3, 4)))
     with pytest.raises(ValueError, match="step: 7 is not a committed checkpoint"):
         ppgd_tpu.load_run(str(run), step=7)
+    with pytest.raises(TypeError, match="step: expected an int .* got '20'"):
+        ppgd_tpu.load_run(str(run), step="20")  # read from argv, say
+    assert ppgd_tpu.load_run(str(run), step=np.int64(20)).step == 20
