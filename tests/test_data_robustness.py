@@ -256,12 +256,13 @@ def test_weights_made_with_another_architecture_are_refused_naming_the_fields(
 
 
 def test_a_store_from_another_tokenizer_than_the_lms_pretraining_is_refused(
-        corpus, lm_setup, tmp_path, capsys):
+        corpus, lm_setup, tmp_path, capsys, caplog):
     """Token ids mean tokens of one tokenizer: a pretrained LM records its store's
     tokenizer, and a decomposition on a store of another one (a vocabulary small enough to
     pass the size check) exits 2 naming data.store, before the run dir exists. The same
     tokenizer.json at another path is the same tokenizer; weights from elsewhere (no
-    record) and pre-tokenized stores (tokenizer unknown) are not checked."""
+    record) and pre-tokenized stores (tokenizer unknown) cannot be checked, which is said
+    (but of the LM's own store)."""
     docs = [open(f).read() for f in sorted(glob.glob(str(corpus["root"] / "*.txt")))]
     bpe = bpe_tokenizer(str(tmp_path / "tokenizer.json"), docs, vocab_size=300)
     store = str(tmp_path / "bpe_store")
@@ -279,9 +280,19 @@ def test_a_store_from_another_tokenizer_than_the_lms_pretraining_is_refused(
     assert not run.exists()
     copy = shutil.copy(bpe, tmp_path / "elsewhere.json")
     assert HFTokenizer(str(copy)).id == bpe_id
-    build.check_tokenizer(corpus["target"], "byte", corpus["store"])
-    build.check_tokenizer(corpus["target"], None, "pretokenized")
-    build.check_tokenizer(lm_setup["target"], bpe_id, store)  # saved with no data record
+    own = TokenStore.open(corpus["store"]).store_id
+    with caplog.at_level("WARNING"):
+        build.check_tokenizer(corpus["target"], "byte", "another", "byte_store")
+        build.check_tokenizer(corpus["target"], None, own, "its_own_store")
+        assert not caplog.records
+        build.check_tokenizer(corpus["target"], None, "another", "pq")
+        build.check_tokenizer(lm_setup["target"], bpe_id, None, store)  # no data record
+    end = "no tokenizer, so nothing checks that the store's ids are the tokens the target " \
+        "was trained on"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data.store pq (pre-tokenized input) records {end}",
+        f"target.path {lm_setup['target']} (pretrained on pre-tokenized input, or elsewhere) "
+        f"records {end}"]
 
 
 def test_a_resume_refuses_a_store_whose_rows_changed_since_the_run_started(lm_setup, tmp_path,

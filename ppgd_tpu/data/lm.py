@@ -65,7 +65,8 @@ class LMData:
         llama_simple_mlp.check_tokens(cfg.target.llama_simple_mlp, self.store.vocab_size,
                                       self.store.seq_len - 1, f"the token store at {d.store}")
         if cfg.target.path:
-            build.check_tokenizer(cfg.target.path, self.store.tokenizer_id, d.store)
+            build.check_tokenizer(cfg.target.path, self.store.tokenizer_id,
+                                  self.store.store_id, d.store)
         n, B, B_eval = self.store.n_rows, d.batch_size, cfg.eval.batch_size
         n_proc = jax.process_count()
         if B % n_proc:

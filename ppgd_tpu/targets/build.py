@@ -212,22 +212,34 @@ def already_pretrained(path: str, cfg: TargetConfig, store_id: str | None = None
     return False
 
 
-def check_tokenizer(path: str, tokenizer_id: str | None, store: str) -> None:
+def check_tokenizer(path: str, tokenizer_id: str | None, store_id: str | None,
+                    store: str) -> None:
     """Refuses a token store whose ids mean other tokens than the ones the LM at `path` was
-    pretrained on (same vocabulary size or not); passes when either side does not know its
-    tokenizer (pre-tokenized input, weights from elsewhere). Reads the file's header only."""
+    pretrained on (same vocabulary size or not). Where a side does not know its tokenizer
+    (pre-tokenized input, weights from elsewhere) nothing can be checked, which is said,
+    unless the store is the one the LM was pretrained on. Reads the file's header only."""
     head = header(path)
     if head is None:
         return  # load() names what is wrong with the file
     data = recorded(head, "data") or {}
     pretrained = data.get("tokenizer_id")
-    if tokenizer_id and pretrained and tokenizer_id != pretrained:
-        raise ConfigError(
-            f"data.store: {store} was tokenized with another tokenizer ({tokenizer_id}) than "
-            f"the target at target.path {path} was pretrained on ({data.get('tokenizer')}: "
-            f"{pretrained}), "
-            "so its ids are other tokens to the target; tokenize the data with that "
-            "tokenizer (`ppgd-tpu tokenize --tokenizer ...`)")
+    if tokenizer_id and pretrained:
+        if tokenizer_id != pretrained:
+            raise ConfigError(
+                f"data.store: {store} was tokenized with another tokenizer ({tokenizer_id}) "
+                f"than the target at target.path {path} was pretrained on "
+                f"({data.get('tokenizer')}: {pretrained}), so its ids are other tokens to "
+                "the target; tokenize the data with that tokenizer (`ppgd-tpu tokenize "
+                "--tokenizer ...`)")
+        return
+    if store_id is not None and store_id == data.get("store_id"):
+        return  # the pretraining's own store
+    unknown = ([f"data.store {store} (pre-tokenized input)"] if not tokenizer_id else []) + (
+        [f"target.path {path} (pretrained on pre-tokenized input, or elsewhere)"]
+        if not pretrained else [])
+    logging.warning("%s record%s no tokenizer, so nothing checks that the store's ids are "
+                    "the tokens the target was trained on", " and ".join(unknown),
+                    "s" if len(unknown) == 1 else "")
 
 
 def _check_recorded_config(cfg: TargetConfig, saved: dict | None, path: str,
