@@ -17,8 +17,8 @@ the envelope; where the CI fn reads V the window keeps a copy of the V it was ma
 Every variant donates the train state; repeat variants receive (model, envelope) as their
 first argument and spare it [W5]. With `Shardings` every variant is jitted with explicit
 in/out shardings on the run's mesh (ppgd_tpu/mesh.py), so the math stays global-batch math
-and XLA inserts the collectives [D1, D2]. A loop that starts mid-window rebuilds the envelope from
-the current CI fn (`start_window`); checkpoints make that rebuild exact [W6].
+and XLA inserts the collectives [D1, D2]. A loop that resumes mid-window gets the window's
+state from the checkpoint (`resume.restore_window`), exactly [W6].
 """
 
 from __future__ import annotations
@@ -87,11 +87,6 @@ class ReplayController:
         t = s % self.k
         return self.mode == "every" or (self.mode == "first" and t == 0) or (
             self.mode in ("last", "mean") and t == self.k - 1)
-
-    def start_window(self, state: TrainState, target, batch) -> None:
-        """Rebuilds the window state when the loop starts at a step with t > 0."""
-        if self.mode != "every":
-            self._open(state, target, batch)
 
     def step(self, s: int, state: TrainState, target, batch):
         """Runs global step s; returns (state, device metrics)."""

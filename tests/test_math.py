@@ -214,7 +214,6 @@ def test_S2_route_nowhere_equals_frozen_and_non_live_sites_get_no_gradient(small
 def test_S2_site_out_formula_and_ones_with_delta_match_clean(small_tms):
     t, comps, x = small_tms
     B = x.shape[0]
-    W = t.site_weights()["linear1"]
     V, U = comps.V["linear1"], comps.U["linear1"]
     rng = np.random.default_rng(4)
     mask = jnp.asarray(rng.uniform(size=(B, 3)), jnp.float32)
@@ -228,7 +227,11 @@ def test_S2_site_out_formula_and_ones_with_delta_match_clean(small_tms):
     t.forward(x, capture)
     h = t.masked_forward(x, comps, {"linear1": SiteMask(mask, dm)})
     x1 = seen["linear1"]
-    by_hand = ((x1 @ V) * mask) @ U + (x1 @ (W - V @ U)) * dm[:, None]
+    deltas = t.weight_deltas(comps)  # the Target API's Δ_s = W_s − V_s U_s (SPEC 1)
+    assert sorted(deltas) == sorted(t.site_weights())
+    for s, Ws in t.site_weights().items():
+        np.testing.assert_allclose(deltas[s], Ws - comps.V[s] @ comps.U[s], rtol=1e-6)
+    by_hand = ((x1 @ V) * mask) @ U + (x1 @ deltas["linear1"]) * dm[:, None]
     expected = t.forward(x, lambda n, hh, WW: by_hand if n == "linear1" else hh @ WW)
     np.testing.assert_allclose(h, expected, rtol=1e-5, atol=1e-6)
     ones = {s: SiteMask(jnp.ones((B, 3)), jnp.ones((B,)), jnp.ones((B,), bool))

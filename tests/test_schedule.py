@@ -1,16 +1,12 @@
-"""Batch schedule: batch j is a pure function of (seed, j) [C1, W1]; per-process slices
-compose the global batch [D1, D3]."""
+"""Batch schedule: batch j is a pure function of (seed, j) [C1, W1] (which rows each
+process reads of it: tests/test_lm_data_multiprocess.py [D1, D3])."""
 
-import os
-import subprocess
-import sys
 import tracemalloc
 
 import numpy as np
 import pytest
 
 from ppgd_tpu.data.schedule import BatchSchedule, permute, train_eval_schedules
-from ppgd_tpu.data.tokens import TokenStore, TokenStoreWriter
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 100, 1000, 4097])
@@ -50,18 +46,7 @@ def test_epoch_remainder_is_dropped_and_varies():
     assert set(seen[0]) != set(seen[1])  # a different 40 rows rest each epoch
 
 
-@pytest.mark.parametrize("processes", [1, 2, 4, 8])
-def test_process_slices_concatenate_to_global_batch_D3(processes):
-    s = BatchSchedule(5000, 64, seed=11)
-    for j in (0, 77, 78, 10_000):
-        parts = [s.process_rows(j, p, processes) for p in range(processes)]
-        assert all(len(p) == 64 // processes for p in parts)
-        np.testing.assert_array_equal(np.concatenate(parts), s.rows(j))
-
-
-def test_indivisible_batch_and_tiny_store_refused():
-    with pytest.raises(ValueError, match="global batch 30 does not divide over 4 processes"):
-        BatchSchedule(100, 30, seed=0).process_rows(0, 0, 4)
+def test_a_store_smaller_than_one_batch_is_refused():
     with pytest.raises(ValueError, match="10 rows, fewer than one global batch of 16"):
         BatchSchedule(10, 16, seed=0)
 
@@ -92,35 +77,3 @@ def test_eval_stream_has_its_own_seed_batch_and_rows():
     shared_train, shared_eval = train_eval_schedules(1000, train_batch=32, train_seed=0,
                                                      eval_batch=32, eval_seed=1)
     assert not np.array_equal(shared_train.rows(0), shared_eval.rows(0))
-
-
-_READER = """
-import sys, numpy as np
-from ppgd_tpu.data.schedule import BatchSchedule
-from ppgd_tpu.data.tokens import TokenStore
-store = TokenStore.open(sys.argv[1])
-p, n = int(sys.argv[2]), int(sys.argv[3])
-s = BatchSchedule(store.n_rows, 12, seed=4)
-np.save(sys.argv[4], np.stack([store.read_rows(s.process_rows(j, p, n)) for j in (0, 9, 40)]))
-"""
-
-
-def test_processes_read_only_their_rows_and_compose_the_batch_D1(tmp_path):
-    """Real separate processes read their own slices from one store; stacked in process
-    order they equal the global batch read in one piece."""
-    out = str(tmp_path / "store")
-    writer = TokenStoreWriter(out, seq_len=6, vocab_size=2**16, eos_id=None, info={})
-    writer.add_document(np.arange(6 * 50) % 2**16)
-    writer.finish()
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, "-c", _READER, out, str(p), "3",
-                               str(tmp_path / f"p{p}.npy")], env=env) for p in range(3)]
-    assert [proc.wait(timeout=120) for proc in procs] == [0, 0, 0]
-    parts = [np.load(tmp_path / f"p{p}.npy") for p in range(3)]
-    store = TokenStore.open(out)
-    s = BatchSchedule(store.n_rows, 12, seed=4)
-    for i, j in enumerate((0, 9, 40)):
-        assert all(part[i].shape == (4, 6) for part in parts)
-        np.testing.assert_array_equal(np.concatenate([part[i] for part in parts]),
-                                      store.read_rows(s.rows(j)))
-        np.testing.assert_array_equal(store.read_rows(s.rows(j))[:, 0] // 6, s.rows(j))

@@ -65,8 +65,8 @@ def permute(positions: np.ndarray, n: int, key: int) -> np.ndarray:
 class BatchSchedule:
     """Rows `[first_row, first_row + n_rows)` of a store, served as shuffled global batches.
 
-    `rows(j)` is the global batch j (row ids into the store); `process_rows` is the slice a
-    process reads, in process order, so the slices concatenate to `rows(j)`.
+    `rows(j)` is the global batch j (row ids into the store); each process reads the rows
+    of its own devices' shards of it (`mesh.global_batch`).
     """
 
     n_rows: int
@@ -102,17 +102,6 @@ class BatchSchedule:
         start = b * self.global_batch
         positions = np.arange(start, start + self.global_batch, dtype=np.uint64)
         return self.first_row + permute(positions, self.n_rows, self._key(epoch))
-
-    def process_rows(self, j: int, process_index: int, process_count: int) -> np.ndarray:
-        """The contiguous slice of `rows(j)` that process `process_index` reads [D1,D3]."""
-        if process_count < 1 or not 0 <= process_index < process_count:
-            raise ValueError(f"process_index {process_index} not in [0, {process_count})")
-        if self.global_batch % process_count:
-            raise ValueError(
-                f"global batch {self.global_batch} does not divide over {process_count} "
-                f"processes: choose a batch size that is a multiple of {process_count}")
-        per = self.global_batch // process_count
-        return self.rows(j)[process_index * per:(process_index + 1) * per]
 
 
 def train_eval_schedules(n_rows: int, *, train_batch: int, train_seed: int,
