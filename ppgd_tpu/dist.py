@@ -2,8 +2,8 @@
 
 The one module that touches `jax.distributed` and JAX's coordination service. Everything
 else asks it: which process am I (`process_index`, `is_main`, `tag`), wait for everyone
-(`barrier`), tell everyone (`broadcast_from_main`), do we agree (`all_processes_agree`),
-and should the loop stop now (`StopSignal.should_stop`).
+(`barrier`), tell everyone (`broadcast_from_main`), what has each (`gather_from_all`), and
+should the loop stop now (`StopSignal.should_stop`).
 
 Bring-up. `initialize()` takes its settings from arguments or the PPGD_* environment
 (set by `ppgd_tpu.launch_local` or a pod script). With nothing set it auto-detects on a
@@ -398,12 +398,6 @@ def gather_from_all(value: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[An
     _state.client.key_value_set(f"{key}/{_state.index}", text)
     return [json.loads(_kv_get(f"{key}/{p}", timeout_s, "gather_from_all"))
             for p in range(_state.count)]
-
-
-def all_processes_agree(value: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """True iff every process passed an equal `value` (compared as JSON)."""
-    values = gather_from_all(value, timeout_s)
-    return all(v == values[0] for v in values)
 
 
 # ----------------------------------------------------------------------------- stop signal

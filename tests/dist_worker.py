@@ -63,8 +63,6 @@ def collectives():
         total=float(total),
         gathered=np.asarray(gathered).ravel().tolist(),
         broadcast=dist.broadcast_from_main({"run": f"run-from-p{me}", "save": me == 0}),
-        agree_same=dist.all_processes_agree({"seed": 7}),
-        agree_differ=dist.all_processes_agree(me),
         gather=dist.gather_from_all(f"p{me}"),
     )
 
