@@ -26,7 +26,7 @@ fails or is stopped leaves the store as it was (its partial rows are cleared by 
 The array goes through tensorstore's kvstores (`file` or `gcs`; the gcs driver honours
 TENSORSTORE_GCS_HTTP_URL for an emulator); the two small files go through fsspec (gcsfs for
 gs://, which honours STORAGE_EMULATOR_HOST). A gs:// store differs from a local one only in
-`_kvstore` and in the fsspec filesystem `fs_for` picks.
+the kvstore `storage.kvstore` makes and in the fsspec filesystem `fs_for` picks.
 """
 
 from __future__ import annotations
