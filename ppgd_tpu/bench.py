@@ -20,7 +20,7 @@
   replay windows in each CI-update mode relative to `every`.
 - `ckpt`: per checkpoint, the time the loop blocks, the background write + commit time, the
   bytes written, and how many of them are replay-window state.
-- for LM targets, `step` also splits the step between the CI fn and the rest: the full
+- `step` also splits the step between the CI fn and the rest (any target): the full
   step vs the repeat step (no taps, no CI fn forward/backward [W3]) and their difference.
 """
 

@@ -1,7 +1,7 @@
 """Process bring-up, cross-process agreement, and stop-signal consensus [C5].
 
 The one module that touches `jax.distributed` and JAX's coordination service. Everything
-else asks it: which process am I (`process_index`, `is_main`, `tag`), wait for everyone
+else asks it: which process am I (`is_main`, `tag`), wait for everyone
 (`barrier`), tell everyone (`broadcast_from_main`), what has each (`gather_from_all`), and
 should the loop stop now (`StopSignal.should_stop`).
 
@@ -448,11 +448,6 @@ class StopSignal:
             self._watcher = threading.Thread(target=self._watch, name="ppgd-stop", daemon=True)
             self._watcher.start()
         atexit.register(self.close)
-
-    @property
-    def requested(self) -> bool:
-        """A stop was asked for here or (once seen) on another process."""
-        return bool(self.signals_received) or self.reason is not None
 
     def _handle(self, signum: int, frame: Any) -> None:
         # Runs in the main thread between bytecodes: set flags only.

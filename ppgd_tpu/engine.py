@@ -1,8 +1,9 @@
 """The training loop: init, faithfulness warmup, steps, log/eval cadences, final summary.
 
 Reads top to bottom like SPEC 6: build the frozen target, init the state, warm up, then
-for each global step s train on data batch s // k [W1]. The loop blocks on the device only
-at log and eval steps (one device_get each).
+for each global step s train on data batch s // k [W1]. The loop waits for the device only
+at log, eval and checkpoint steps, at the end of a profile window and, with several
+processes, to keep at most MAX_IN_FLIGHT steps in flight.
 """
 
 from __future__ import annotations

@@ -285,8 +285,9 @@ def _fits(logical: str, size: int, elements: int, mesh) -> str:
 
 
 class Placement:
-    """Every leaf's NamedSharding for one run on one mesh: `names(tree, prefix)` gives
-    {leaf name: NamedSharding}, `tree(tree, prefix)` the same as a tree of shardings."""
+    """Every leaf's NamedSharding for one run on one mesh: `names(named)` maps {leaf name:
+    array or shape} (`resume.named_leaves`) to {leaf name: NamedSharding}, `tree(tree,
+    named)` gives the same as a tree shaped like `tree`."""
 
     def __init__(self, cfg: Config, mesh, leading_ndim: int):
         self.cfg, self.mesh, self.leading_ndim = cfg, mesh, leading_ndim

@@ -1,8 +1,8 @@
 """Metric sinks: RUN_DIR/metrics.jsonl (one flat JSON object per log step), TensorBoard
 event files in RUN_DIR/tb, and the console progress bar. Only process 0 writes.
 
-Device scalars are fetched in one `device_get` at log steps only: the loop never blocks on
-the device between log steps.
+Device scalars are fetched in one `device_get` at log steps only: the metrics never make
+the loop wait for the device between log steps.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 `Decomposer` holds what is static for a run (sites, C, plans, schedules); its methods are
 the pure functions the loop jits: `init`, `full` (the plain step), `repeat` (a step on a
 cached envelope: no taps, no CI fn forward/backward [W3]), `compute_ci` (an envelope from a
-plain CI forward). They all run `_step`, which computes the losses as a function of
+plain CI forward). The step variants (`full`, `full_keep`, `repeat`, `mean_accum`,
+`mean_update`) all run `_step`, which computes the losses as a function of
 (components, sources, envelope) in one backward and, when the CI fn trains, pulls the
 envelope cotangent back through one CI-fn vjp.
 """
@@ -99,7 +100,8 @@ class Decomposer:
                           adversaries=advs)
 
     def faithfulness_warmup(self, state: TrainState, target: Target) -> TrainState:
-        """[S21] n AdamW steps on faithfulness alone; that optimizer is discarded."""
+        """[S21] n AdamW steps on faithfulness alone; that optimizer is discarded. In one
+        call (tests; the loop runs `faithfulness_warmup_part` in parts, to see a stop)."""
         opt_state = self.warmup_optimizer_state(state)
         n = self.cfg.decomp.faithfulness_warmup_steps
         return self.faithfulness_warmup_part(state, opt_state, target, n)[0]

@@ -173,7 +173,8 @@ class Checkpointer:
 
 
 def save(run_dir: str, step: int, arrays: Mapping[str, Any], meta=None, **kwargs) -> None:
-    """Synchronous save (single call, no retention unless keep_last_n is given)."""
+    """Synchronous save (single call, no retention unless keep_last_n is given): for tools
+    and tests; the loop saves through a Checkpointer, in the background."""
     kwargs.setdefault("keep_last_n", None)
     with Checkpointer(run_dir, **kwargs) as ckpt:
         ckpt.save(step, arrays, meta)

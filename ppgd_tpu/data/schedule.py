@@ -2,9 +2,9 @@
 
 Training step s reads data batch j = s // k [W1]; because the rows of batch j depend on
 nothing but (seed, j), a resumed run needs no iterator state and the checkpoint stores no
-data position [C1]. Every process computes the same global batch and reads only its own
-contiguous slice of it, so the rows that meet in a step are the same on any number of
-processes [D3].
+data position [C1]. Every process computes the same global batch and reads only the rows
+its own devices hold (`mesh.global_batch`), so the rows that meet in a step are the same on
+any number of processes [D3].
 
 Epochs: an epoch is `batches_per_epoch = n_rows // global_batch` batches; the remaining
 `n_rows % global_batch` rows of each epoch's permutation are skipped (a different set each

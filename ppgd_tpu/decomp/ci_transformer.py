@@ -168,4 +168,5 @@ def init(cfg: CIFnConfig, key, d_in: dict[str, int], C: dict[str, int]) -> Chunk
 
 
 def n_params(ci_fn: ChunkwiseTransformer) -> int:
+    """Its parameter count (to size a CI fn against its target)."""
     return sum(x.size for x in jax.tree.leaves(ci_fn))
