@@ -261,8 +261,8 @@ def test_a_store_from_another_tokenizer_than_the_lms_pretraining_is_refused(
     tokenizer, and a decomposition on a store of another one (a vocabulary small enough to
     pass the size check) exits 2 naming data.store, before the run dir exists. The same
     tokenizer.json at another path is the same tokenizer; weights from elsewhere (no
-    record) and pre-tokenized stores (tokenizer unknown) cannot be checked, which is said
-    (but of the LM's own store)."""
+    record) are not checked; a pre-tokenized side (tokenizer unknown) cannot be, which is
+    said (but of the LM's own store)."""
     docs = [open(f).read() for f in sorted(glob.glob(str(corpus["root"] / "*.txt")))]
     bpe = bpe_tokenizer(str(tmp_path / "tokenizer.json"), docs, vocab_size=300)
     store = str(tmp_path / "bpe_store")
@@ -281,18 +281,24 @@ def test_a_store_from_another_tokenizer_than_the_lms_pretraining_is_refused(
     copy = shutil.copy(bpe, tmp_path / "elsewhere.json")
     assert HFTokenizer(str(copy)).id == bpe_id
     own = TokenStore.open(corpus["store"]).store_id
+    on_pq = str(tmp_path / "on_pq.safetensors")  # pretrained on a pre-tokenized store
+    cfg = load(corpus["config"]).target
+    build.save(build.load(cfg, corpus["target"]), cfg, on_pq,
+               data={"store": "pq", "store_id": "pq-id", "tokenizer": "pretokenized",
+                     "tokenizer_id": None})
     with caplog.at_level("WARNING"):
         build.check_tokenizer(corpus["target"], "byte", "another", "byte_store")
         build.check_tokenizer(corpus["target"], None, own, "its_own_store")
+        build.check_tokenizer(on_pq, None, "pq-id", "pq")
+        build.check_tokenizer(lm_setup["target"], bpe_id, None, store)  # no data record
         assert not caplog.records
         build.check_tokenizer(corpus["target"], None, "another", "pq")
-        build.check_tokenizer(lm_setup["target"], bpe_id, None, store)  # no data record
+        build.check_tokenizer(on_pq, bpe_id, None, store)
     end = "no tokenizer, so nothing checks that the store's ids are the tokens the target " \
         "was trained on"
     assert [r.getMessage() for r in caplog.records] == [
         f"data.store pq (pre-tokenized input) records {end}",
-        f"target.path {lm_setup['target']} (pretrained on pre-tokenized input, or elsewhere) "
-        f"records {end}"]
+        f"target.path {on_pq} (pretrained on pre-tokenized input) records {end}"]
 
 
 def test_a_resume_refuses_a_store_whose_rows_changed_since_the_run_started(lm_setup, tmp_path,

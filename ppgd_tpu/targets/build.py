@@ -215,13 +215,16 @@ def already_pretrained(path: str, cfg: TargetConfig, store_id: str | None = None
 def check_tokenizer(path: str, tokenizer_id: str | None, store_id: str | None,
                     store: str) -> None:
     """Refuses a token store whose ids mean other tokens than the ones the LM at `path` was
-    pretrained on (same vocabulary size or not). Where a side does not know its tokenizer
-    (pre-tokenized input, weights from elsewhere) nothing can be checked, which is said,
-    unless the store is the one the LM was pretrained on. Reads the file's header only."""
+    pretrained on (same vocabulary size or not). Weights from elsewhere (no record of their
+    data) are the user's to match. Where `pretrain` made the weights but a side does not
+    know its tokenizer (pre-tokenized input) nothing can be checked, which is said, unless
+    the store is the one the LM was pretrained on. Reads the file's header only."""
     head = header(path)
     if head is None:
         return  # load() names what is wrong with the file
-    data = recorded(head, "data") or {}
+    data = recorded(head, "data")
+    if data is None:
+        return
     pretrained = data.get("tokenizer_id")
     if tokenizer_id and pretrained:
         if tokenizer_id != pretrained:
@@ -235,8 +238,7 @@ def check_tokenizer(path: str, tokenizer_id: str | None, store_id: str | None,
     if store_id is not None and store_id == data.get("store_id"):
         return  # the pretraining's own store
     unknown = ([f"data.store {store} (pre-tokenized input)"] if not tokenizer_id else []) + (
-        [f"target.path {path} (pretrained on pre-tokenized input, or elsewhere)"]
-        if not pretrained else [])
+        [f"target.path {path} (pretrained on pre-tokenized input)"] if not pretrained else [])
     logging.warning("%s record%s no tokenizer, so nothing checks that the store's ids are "
                     "the tokens the target was trained on", " and ".join(unknown),
                     "s" if len(unknown) == 1 else "")
