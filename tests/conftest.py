@@ -7,7 +7,8 @@ import pytest
 from gcs_emulator import GcsEmulator
 
 # The longest module (its multi-process matrices: ~7 of the suite's ~40 CPU minutes):
-# xdist's loadfile hands modules out in collection order, and last it ran alone at the end.
+# xdist's loadfile (without its reorder by test count) hands modules out in collection
+# order; last, it ran alone at the end.
 FIRST = "test_sharding.py"
 
 
