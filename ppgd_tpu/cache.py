@@ -5,7 +5,8 @@ instead of compiling them again.
 
 Measured on the TMS 5-2 ref config (20 steps, its evals and figures; README, "Compiled
 programs", has today's figures): 28 s cold, 15 s with the cache warm, but 21 s under JAX's
-default threshold (only compiles over 1 s are cached), so every program is cached. Entries are ~10 KiB for toys.
+default threshold (only compiles over 1 s are cached), so every program is cached. Entries
+are ~10 KiB for toys.
 
 Where: `$PPGD_TPU_COMPILE_CACHE` if it is a path, else `<root>/xla/<machine>`, `<machine>`
 hashing jaxlib's version and the host CPU's model and features: an XLA:CPU executable
