@@ -1,9 +1,9 @@
 """Process bring-up, cross-process agreement, and stop-signal consensus [C5].
 
 The one module that touches `jax.distributed` and JAX's coordination service. Everything
-else asks it: which process am I (`is_main`, `tag`), wait for everyone
-(`barrier`), tell everyone (`broadcast_from_main`), what has each (`gather_from_all`), and
-should the loop stop now (`StopSignal.should_stop`).
+else asks it: which process am I (`is_main`, `tag`), wait for everyone (`barrier`), tell
+everyone (`broadcast_from_main`), what has each (`gather_from_all`), and should the loop
+stop now (`StopSignal.should_stop`).
 
 Bring-up. `initialize()` takes its settings from arguments or the PPGD_* environment
 (set by `ppgd_tpu.launch_local` or a pod script). With nothing set it auto-detects on a
