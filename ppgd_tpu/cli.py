@@ -139,7 +139,7 @@ def parse_config_args(args: list[str], extra: dict[str, tuple] | None = None,
     extra = dict(extra or {})
     args = join_values(args, ["config", *extra] if base is None else list(extra))
     path = _split_value(args, "config") if base is None else None
-    cfg = config_lib.with_entries(base or config_lib.load(path), _named(args))
+    cfg = config_lib.with_entries(base or config_lib.read(path), _named(args))
     fv = flags.FlagValues()
     if base is None:
         flags.DEFINE_string("config", None, "experiment YAML (none: the embedded default)",
@@ -265,7 +265,7 @@ def cmd_eval(args: list[str]) -> int:
 def cmd_pretrain(args: list[str]) -> int:
     from ppgd_tpu.targets import build
 
-    base = config_lib.load(_split_value(args, "config"))
+    base = config_lib.read(_split_value(args, "config"))
     kind = _split_value(args, "target.kind") or base.target.kind
     if kind == "llama_simple_mlp":
         from ppgd_tpu.targets import lm_pretrain

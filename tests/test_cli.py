@@ -136,6 +136,21 @@ def test_an_integer_field_takes_a_whole_number_written_as_a_float(text, want, tm
     assert type(from_flag.decomp.steps) is int
 
 
+def test_cross_field_rules_hold_for_the_yaml_and_its_flags_together(tmp_path, capsys):
+    """A YAML that is only valid with its flags (`replay_ci_update: first` needs
+    train_batch_replay >= 2) is the config the flags make: it was refused on the YAML alone,
+    so no flag could fix it; the same rule still refuses the combination."""
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"data": {"replay_ci_update": "first"},
+                                                     "decomp": {"ci_fn": {"detach_inputs": True}}}))
+    cfg, _ = cli.parse_config_args([f"--config={tmp_path / 'c.yaml'}",
+                                    "--data.train_batch_replay=2"])
+    assert (cfg.data.replay_ci_update, cfg.data.train_batch_replay) == ("first", 2)
+    rc, _, err = _run(["train", f"--config={tmp_path / 'c.yaml'}",
+                       f"--run_dir={tmp_path / 'r'}"], capsys)
+    assert rc == 2 and "data.replay_ci_update: 'first' needs data.train_batch_replay" in err
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("cmd", ["pretrain", "tokenize"])
 def test_one_process_commands_refuse_a_multi_process_launch(cmd, capsys, tmp_path,
                                                             monkeypatch):
