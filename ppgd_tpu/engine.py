@@ -329,9 +329,8 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
             writer.close()
         raise
     progress.close()
+    save(steps, state)
     writer.close()
-    check_decomposition_finite(steps, state)
-    saver.save(steps, resume.checkpoint_leaves(state, replay))
     saver.wait()
     return _finish(cfg, rd, trainer, state, stop)
 
