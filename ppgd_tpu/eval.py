@@ -231,7 +231,8 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
     activation densities -> PNG files, each titled `title` (the run and step). The norm,
     weight and density figures order a site's components the same way, by norm
     |V_c| |U_c|, and (up to 40 of them) name each by its index c, as in the checkpoint, so
-    one can be followed across them; the CI heatmap puts each feature's best one first."""
+    one can be followed across them; the CI heatmap puts each feature's best one first.
+    Runs in one process, on host arrays (engine._evaluate fetches them in every process)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,7 +241,7 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
     written = []
     # jitted: op by op, the CI fn compiles and dispatches hundreds of tiny programs (~3 s)
     lower = jax.jit(lambda st, t, x: dec.ci(st.ci_fn, st.components, t, x).lower)
-    ci = {s: _to_host(x) for s, x in lower(state, target, batch).items()}
+    ci = {s: np.asarray(x) for s, x in lower(state, target, batch).items()}
     n = len(dec.sites)
 
     def panels(what: str, rows: int = 1):
@@ -337,15 +338,6 @@ def figures(dec: Decomposer, state: TrainState, target: Target, batch, out_dir: 
 def activation_density(ci: np.ndarray, threshold: float) -> np.ndarray:
     """Per component: the fraction of positions (every leading index) with CI > threshold."""
     return np.mean(ci.reshape(-1, ci.shape[-1]) > threshold, axis=0)
-
-
-def _to_host(x) -> np.ndarray:
-    """A global array as numpy on every process (batch-sharded LM CI spans processes)."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _save(fig, out_dir, name):
