@@ -1,4 +1,5 @@
-"""`ppgd-tpu <command>`: train, pretrain, bench (and the commands other modules provide).
+"""`ppgd-tpu <command>`: train, eval, pretrain, bench, shardings (and the commands other
+modules provide).
 
 Every config field is an absl flag named by its dotted path (`--decomp.steps=2000`), typed
 by the schema; `--helpfull` lists them. A refused input (unknown flag, wrong type, out of

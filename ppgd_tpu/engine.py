@@ -66,9 +66,9 @@ def check_decomposition_finite(step: int, state: TrainState) -> None:
 
 
 def batch_shape(cfg: Config, target) -> tuple[int, ...]:
-    """The training batch for `ppgd-tpu shardings` (shapes only, no store opened): [B,
-    n_features] toy inputs; [B, T] tokens with T = the target's max_seq_len (a run's T is
-    its store's row length - 1, data/lm.py)."""
+    """The training batch for `ppgd-tpu shardings` and load_run (shapes only, no store
+    opened): [B, n_features] toy inputs; [B, T] tokens with T = the target's max_seq_len
+    (a run's T is its store's row length - 1, data/lm.py)."""
     if target.n_features is not None:
         return (cfg.data.batch_size, target.n_features)
     return (cfg.data.batch_size, cfg.target.llama_simple_mlp.max_seq_len)

@@ -1,7 +1,7 @@
 """Save (async, multi-process) and restore of flat `{leaf path: array}` checkpoints.
 
 The caller flattens its train state to leaf paths starting with a part name [C2]
-("decomposition/components/linear1/V", "training/opt_components/mu/linear1/V", ...); this
+("decomposition/components/V/linear1", "training/opt_components/0/mu/V/linear1", ...); this
 module knows nothing else about the state.
 
 Save protocol for one step, run by every process in the background thread:

@@ -1,7 +1,8 @@
 """The persistent PGD adversary (SPEC 5) and the fresh sign-PGD probe/term.
 
-Sources live in [0, 1] with shape [*scope, C_s + 1]; scope `sc` = ones over the leading
-axes (shared across the batch), `bsc` = the batch rows (one source per row and position).
+Sources live in [0, 1] with shape [*scope, C_s + 1]; scope `sc` = 1 on the batch axis
+(shared across the batch, one per position), `bsc` = the batch rows (one source per row
+and position).
 Ascent is Adam then clamp, eps OUTSIDE the sqrt [S15].
 """
 

@@ -1,4 +1,5 @@
-"""Losses of SPEC 4: importance minimality, recon divergences, stochastic recon plans.
+"""Losses of SPEC 4: importance minimality, the stochastic recon plans (the divergences
+they score are in divergence.py).
 
 Everything here is math on the GLOBAL batch; reductions run in fp32 [N1-N3].
 """
