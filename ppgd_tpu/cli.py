@@ -191,8 +191,6 @@ TARGET_OUTPUT = ("", "safetensors path, local or gs:// "
 def target_output(cfg, value: str) -> str:
     """`pretrain --output` (TARGET_OUTPUT) or its default; refused before any training if
     it could not be written."""
-    import os
-
     out = value or os.path.join("runs", "targets",
                                 f"{cfg.target.kind}-{cfg.target.seed}.safetensors")
     try:

@@ -364,19 +364,20 @@ def run_templates(dec, target, batch: jax.ShapeDtypeStruct,
     take a trace of the whole step to name (~1.5 s): the steps need none, their metrics are
     replicated scalars."""
     from ppgd_tpu import resume  # resume -> replay -> step; mesh stays importable alone
+    from ppgd_tpu.step import zero_accumulator
 
     state = jax.eval_shape(dec.init, target)
     env = jax.eval_shape(dec.compute_ci, target, state, batch)
-    acc = jax.eval_shape(lambda e: jax.tree.map(lambda x: x.astype(np.float32), e), env)
+    acc = jax.eval_shape(zero_accumulator, env)
     named = {
         "state": resume.state_leaves(state),
         "target": resume.named_leaves(target, "target"),
         "batch": {"batch": batch},
-        "env": resume.named_leaves(env, "training/replay/envelope"),
-        "acc": resume.named_leaves(acc, "training/replay/accumulator"),
+        "env": resume.named_leaves(env, resume.ENVELOPE),
+        "acc": resume.named_leaves(acc, resume.ACCUMULATOR),
     }
     if dec.window_keeps_V:
-        named["env_V"] = resume.named_leaves(state.components.V, "training/replay/envelope_V")
+        named["env_V"] = resume.named_leaves(state.components.V, resume.ENVELOPE_V)
     if metrics:
         named["metrics"] = {f"metrics/{k}": v
                             for k, v in jax.eval_shape(dec.full, state, target, batch)[1].items()}

@@ -21,14 +21,20 @@ target and the data position are not stored: the batch is a pure function of (se
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
-import numpy as np
 
 from ppgd_tpu.checkpoint.manifest import DamagedCheckpoint, Manifest
 from ppgd_tpu.replay import ReplayController
-from ppgd_tpu.step import Decomposer, Envelope, TrainState
+from ppgd_tpu.step import Decomposer, TrainState, zero_accumulator
 
+STATE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))  # its flatten order
 DECOMPOSITION_FIELDS = ("components", "ci_fn")
+# where a mid-window checkpoint keeps the replay window's state (the table above)
+ENVELOPE = "training/replay/envelope"
+ACCUMULATOR = "training/replay/accumulator"
+ENVELOPE_V = "training/replay/envelope_V"
 
 
 def _key_name(k) -> str:
@@ -56,7 +62,7 @@ def _stores_envelope(replay: ReplayController) -> bool:
 def state_leaves(state: TrainState) -> dict[str, jax.Array]:
     """{checkpoint name: leaf} of the train state, in the state's flatten order."""
     out = {}
-    for field in ("step", "components", "ci_fn", "opt_components", "opt_ci_fn", "adversaries"):
+    for field in STATE_FIELDS:
         out.update(named_leaves(getattr(state, field), _state_prefix(field)))
     return out
 
@@ -67,11 +73,11 @@ def checkpoint_leaves(state: TrainState, replay: ReplayController) -> dict[str, 
     if int(state.step) % replay.k == 0:  # a window boundary: nothing of the window survives
         return out
     if _stores_envelope(replay):
-        out.update(named_leaves(replay.env, "training/replay/envelope"))
+        out.update(named_leaves(replay.env, ENVELOPE))
     if replay.mode == "mean":
-        out.update(named_leaves(replay.acc, "training/replay/accumulator"))
+        out.update(named_leaves(replay.acc, ACCUMULATOR))
     if replay.keeps_env_V:
-        out.update(named_leaves(replay.env_V, "training/replay/envelope_V"))
+        out.update(named_leaves(replay.env_V, ENVELOPE_V))
     return out
 
 
@@ -105,8 +111,7 @@ def restore_fields(dec: Decomposer, target, arrays: dict, fields: tuple[str, ...
 
 def restore_state(dec: Decomposer, target, arrays: dict) -> TrainState:
     """The TrainState of `arrays` (host numpy from checkpoint.restore), shaped like init."""
-    return TrainState(**restore_fields(dec, target, arrays, (
-        "step", "components", "ci_fn", "opt_components", "opt_ci_fn", "adversaries")))
+    return TrainState(**restore_fields(dec, target, arrays, STATE_FIELDS))
 
 
 def restore_window(replay: ReplayController, dec: Decomposer, state: TrainState, target,
@@ -116,11 +121,10 @@ def restore_window(replay: ReplayController, dec: Decomposer, state: TrainState,
         return
     template = jax.eval_shape(dec.compute_ci, target, state, batch)
     if _stores_envelope(replay):
-        replay.env = _fill(template, arrays, "training/replay/envelope")
+        replay.env = _fill(template, arrays, ENVELOPE)
     else:
         replay.env = replay.compute_ci(target, state, batch)
     if replay.mode == "mean":
-        acc_template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), template)
-        replay.acc = _fill(Envelope(*acc_template), arrays, "training/replay/accumulator")
+        replay.acc = _fill(jax.eval_shape(zero_accumulator, template), arrays, ACCUMULATOR)
     if replay.keeps_env_V:
-        replay.env_V = _fill(state.components.V, arrays, "training/replay/envelope_V")
+        replay.env_V = _fill(state.components.V, arrays, ENVELOPE_V)
