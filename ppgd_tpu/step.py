@@ -51,6 +51,17 @@ class Envelope(NamedTuple):
     upper: dict[str, jax.Array]
 
 
+class ReconPart(NamedTuple):
+    """What the masked forwards of a step give it (`Decomposer._recon_part`)."""
+
+    advs: dict[str, adv_lib.Adversary]  # after the final ascent
+    parts: dict[str, jax.Array]  # the loss and its terms
+    g_comp: Any  # the components' gradient
+    g_env: Envelope | None  # the envelope's cotangent; None with the CI fn live
+    g_ci: Any  # the CI fn's gradient; None with it replayed
+    env: Envelope | None  # the envelope the losses read
+
+
 def _cast(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
                         else x, tree)
@@ -157,6 +168,14 @@ class Decomposer:
         return {s: functools.partial(losses.mask_from_source, lower[s], sources[s], use_delta)
                 for s in self.sites}
 
+    def _detached_ppgd_objective(self, target: Target, batch, clean, comps_c, lower,
+                                 rows: live_lib.Subset | None):
+        """sources -> the all-sites route-all recon [S12] with the components and the CI
+        detached: what an adversary's own ascents push up [S24] (on `rows` when given)."""
+        frozen = jax.lax.stop_gradient((comps_c, lower))
+        return lambda sources: self.recon(target, batch, frozen[0],
+                                          self.ppgd_masks(frozen[1], sources), clean, rows)
+
     def _losses(self, key, step, target, weights, batch, clean, components, sources,
                 env: Envelope, rows: live_lib.Subset | None = None, env_on_rows: bool = False):
         """Total loss and its parts as a function of (components, sources, envelope); the
@@ -186,11 +205,10 @@ class Decomposer:
             total = total + term.coeff * parts[name]
         for i, (name, term) in enumerate(cfg.loss.fresh_pgd.items()):
             k = jax.random.fold_in(key, _FRESH + i)
-            frozen = jax.lax.stop_gradient((comps_c, lower))
             on_rows = (lambda s: s) if rows is None else rows.take
-            src = adv_lib.sign_pgd(
-                k, term.scope, self.leading, self.C, term.n_steps, term.step_size,
-                lambda s: recon(self.ppgd_masks(frozen[1], on_rows(s)), frozen[0]))
+            obj = self._detached_ppgd_objective(target, batch, clean, comps_c, lower, rows)
+            src = adv_lib.sign_pgd(k, term.scope, self.leading, self.C, term.n_steps,
+                                   term.step_size, lambda s: obj(on_rows(s)))
             parts[name] = recon(self.ppgd_masks(lower, on_rows(src)))
             total = total + term.coeff * parts[name]
         parts["total"] = total
@@ -226,9 +244,7 @@ class Decomposer:
         With the CI fn live (`env` None, its `taps` given) it runs here too: on `rows` plus
         one all-zero row standing for the batch's other rows (all dead, so all with that
         row's CI: the toy CI fns read site inputs only and map rows independently), and the
-        envelope cotangent is pulled back through it. -> (advs after the final ascent,
-        parts, component grads, envelope cotangent (None with the CI fn live), CI-fn grads
-        (None without), envelope)."""
+        envelope cotangent is pulled back through it."""
         step = state.step
         ci_vjp, env_on_rows = None, env is None and rows is not None
         if env is None:
@@ -243,10 +259,9 @@ class Decomposer:
         if rows is not None:
             advs = rows.take(advs)
         # [S24] warmup ascents against the all-sites route-all forward, comps and CI detached.
-        frozen = jax.lax.stop_gradient((_cast(state.components, self.dtype), lower))
+        obj = self._detached_ppgd_objective(target, batch, clean,
+                                            _cast(state.components, self.dtype), lower, rows)
         for name, term in terms.items():
-            obj = lambda s: self.recon(target, batch, frozen[0], self.ppgd_masks(frozen[1], s),
-                                       clean, rows)
             for _ in range(term.n_warmup):
                 advs[name] = adv_lib.ascend(advs[name], jax.grad(obj)(advs[name].sources), term,
                                             lrs[name])
@@ -265,11 +280,11 @@ class Decomposer:
                     for n, a in state.adversaries.items()}
             advs = rows.put(idle, advs)
         if ci_vjp is None:
-            return advs, parts, g_comp, g_env, None, env
+            return ReconPart(advs, parts, g_comp, g_env, None, env)
         g_ci, g_comp_ci = ci_vjp(g_env)
         if g_comp_ci is not None:
             g_comp = jax.tree.map(jnp.add, g_comp, g_comp_ci)  # CI path into V
-        return advs, parts, g_comp, None, g_ci, env
+        return ReconPart(advs, parts, g_comp, None, g_ci, env)
 
     def _step(self, state: TrainState, target: Target, batch, env: Envelope | None,
               acc: Envelope | None = None, update_ci_from_acc: bool = False,
@@ -296,12 +311,11 @@ class Decomposer:
         live = None if keep_env else self.live_rows(target_c, batch_c)
         if live is None:
             advs, parts, g_comp, g_env, g_ci, new_env = recon_part(None)
-        else:
+        else:  # new_env: only full_keep returns it, and it runs every row
             assert not ci_live or set(state.ci_fn.input_names) <= set(self.sites), \
                 "live_rows.py: a CI fn reading more than site inputs needs every row"
-            advs, parts, g_comp, g_env, g_ci = live_lib.switch(
-                live, self.live_sizes, lambda rows: recon_part(rows)[:5])
-            new_env = None  # only full_keep returns it, and it runs every row
+            advs, parts, g_comp, g_env, g_ci, new_env = live_lib.switch(
+                live, self.live_sizes, lambda rows: recon_part(rows)._replace(env=None))
 
         if acc is not None:
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, g_env)
