@@ -303,8 +303,8 @@ def cmd_shardings(args: list[str]) -> int:
     (default: this machine's), from shapes alone: no weights are loaded or trained."""
     import jax
 
-    from ppgd_tpu import engine
     from ppgd_tpu import mesh as mesh_lib
+    from ppgd_tpu.data import lm as data_lib
     from ppgd_tpu.step import Decomposer
     from ppgd_tpu.targets import build
 
@@ -320,8 +320,9 @@ def cmd_shardings(args: list[str]) -> int:
 
     def trace():  # under eval_shape: shapes only, nothing is computed
         target = mod.init(sub, jax.random.key(0))
-        dec = Decomposer(cfg, target, engine.batch_shape(cfg, target))
-        batch = jax.ShapeDtypeStruct(engine.batch_shape(cfg, target), engine.batch_dtype(target))
+        dec = Decomposer(cfg, target, data_lib.batch_shape(cfg, target))
+        batch = jax.ShapeDtypeStruct(data_lib.batch_shape(cfg, target),
+                                     data_lib.batch_dtype(target))
         named, _ = mesh_lib.run_templates(dec, target, batch)
         placement = mesh_lib.Placement(cfg, mesh, len(dec.leading))
         mode = cfg.data.replay_ci_update  # the window's leaves exist in these modes only

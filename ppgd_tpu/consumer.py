@@ -1,7 +1,8 @@
-"""`ppgd_tpu.load_run`: a run's decomposition together with its CI function, so a
-researcher can ask which components an input of their own uses.
+"""The consumer API: `ppgd_tpu.load_decomposition`, a run's components as numpy, and
+`ppgd_tpu.load_run`, the same together with its CI function, so a researcher can ask which
+components an input of their own uses.
 
-`load_decomposition` gives the components alone. The CI function is the other half of a
+The CI function is the other half of a
 decomposition [S5]: it is restored here from a committed checkpoint's `decomposition` part
 [C2], with the frozen target rebuilt from the run's config and checked against the weights
 the run was started with [C1]. Host numpy in, host numpy out; no mesh, one process.
@@ -10,17 +11,21 @@ the run was started with [C1]. Host numpy in, host numpy out; no mesh, one proce
 from __future__ import annotations
 
 import dataclasses
+import json
+import warnings
 from collections.abc import Callable
 
 import jax
 import numpy as np
+from safetensors import numpy as safetensors_numpy
 
 from ppgd_tpu import checkpoint, resume, storage
 from ppgd_tpu.config import Config
-from ppgd_tpu.step import Decomposer
+from ppgd_tpu.data import lm as data_lib
+from ppgd_tpu.step import Decomposer, TrainState
 from ppgd_tpu.targets import build as target_build
 from ppgd_tpu.targets.base import Target
-from ppgd_tpu.workspace import RunDir
+from ppgd_tpu.workspace import DECOMPOSITION, RunDir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +85,7 @@ def load_run(run_dir: str, step: int | None = None) -> Run:
     cfg = rd.stored_config()
     target = target_build.build(cfg.target)
     rd.check_inputs(cfg, target_build.fingerprint(target, cfg.target), None)
-    from ppgd_tpu.engine import batch_shape
-
-    dec = Decomposer(cfg, target, batch_shape(cfg, target))
+    dec = Decomposer(cfg, target, data_lib.batch_shape(cfg, target))
     arrays = checkpoint.restore(rd.path, step, parts=("decomposition",)).arrays
     try:
         fields = resume.restore_fields(dec, target, arrays, ("components", "ci_fn"))
@@ -93,3 +96,57 @@ def load_run(run_dir: str, step: int | None = None) -> Run:
     lower = jax.jit(lambda ci_fn, comps, t, x: dec.ci(ci_fn, comps, t, x).lower)
     return Run(storage.normalize(rd.path), cfg, step, target, numpy, lower,
                (fields["ci_fn"], comps))
+
+
+def save_decomposition(path: str, state: TrainState, sites) -> None:
+    """A finished run's components, as `load_decomposition` reads them first."""
+    comps = jax.device_get(state.components)
+    tensors = {}
+    for s in sites:
+        tensors[f"{s}/V"] = np.asarray(comps.V[s])
+        tensors[f"{s}/U"] = np.asarray(comps.U[s])
+    storage.write_bytes(path, safetensors_numpy.save(
+        tensors, metadata={"sites": json.dumps(list(sites))}))
+
+
+def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
+    """The consumer API: components as numpy, {site: {"V": [d_in, C], "U": [C, d_out]}}.
+
+    A finished run's decomposition.safetensors; for a run still going (or stopped), the
+    `decomposition` part of its latest committed checkpoint [C2] (no mesh needed), with a
+    warning that names its step: those are not the final components.
+    """
+    run_dir = storage.normalize(run_dir)  # a pathlib.Path, `~`
+    if not storage.exists(run_dir):
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
+    if not storage.is_dir(run_dir):
+        raise NotADirectoryError(f"{run_dir} is a file, not a run directory")
+    rd = RunDir(run_dir)
+    path = rd.file(DECOMPOSITION)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    if storage.exists(path):
+        blob = storage.read_bytes(path)
+        try:
+            tensors = safetensors_numpy.load(blob)
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise ValueError(f"{path} is not a readable safetensors file ({e}); the run's "
+                             "latest checkpoint holds the same components: delete the file "
+                             "to read them from there") from None
+        for name, arr in tensors.items():
+            site, part = name.rsplit("/", 1)
+            out.setdefault(site, {})[part] = arr
+        return out
+    step = checkpoint.latest_step(run_dir)
+    if step is None:
+        raise FileNotFoundError(f"{run_dir}: no decomposition yet ({DECOMPOSITION} missing and "
+                                "no committed checkpoint)")
+    if not rd.complete:  # (a finished run's last checkpoint is its final state)
+        warnings.warn(f"{run_dir} has not finished: these are the components of its "
+                      f"checkpoint at step {step}, not the final ones", stacklevel=2)
+    arrays = checkpoint.restore(run_dir, step, parts=("decomposition",)).arrays
+    prefix = "decomposition/components/"
+    for name, arr in arrays.items():
+        if name.startswith(prefix):
+            part, site = name[len(prefix):].split("/", 1)
+            out.setdefault(site, {})[part] = np.asarray(arr)
+    return out

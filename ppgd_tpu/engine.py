@@ -9,18 +9,15 @@ processes, to keep at most MAX_IN_FLIGHT steps in flight.
 from __future__ import annotations
 
 import collections
-import json
 import math
 import posixpath
 import signal
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from safetensors import numpy as safetensors_numpy
 
 from ppgd_tpu import checkpoint, dist, resume, signals, storage
 from ppgd_tpu import config as config_lib
@@ -28,6 +25,7 @@ from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import metrics as metrics_lib
 from ppgd_tpu.config import Config, ConfigError, config_hash
+from ppgd_tpu.consumer import save_decomposition
 from ppgd_tpu.data import lm as data_lib
 from ppgd_tpu.decomp.components import resolve_sites, resolve_ties
 from ppgd_tpu.replay import ReplayController
@@ -63,19 +61,6 @@ def check_decomposition_finite(step: int, state: TrainState) -> None:
     if not bool(_decomposition_finite(state)):
         raise metrics_lib.Diverged(f"step {step}: the components or the CI fn have "
                                    f"non-finite values; {DIVERGED}")
-
-
-def batch_shape(cfg: Config, target) -> tuple[int, ...]:
-    """The training batch for `ppgd-tpu shardings` and load_run (shapes only, no store
-    opened): [B, n_features] toy inputs; [B, T] tokens with T = the target's max_seq_len
-    (a run's T is its store's row length - 1, data/lm.py)."""
-    if target.n_features is not None:
-        return (cfg.data.batch_size, target.n_features)
-    return (cfg.data.batch_size, cfg.target.llama_simple_mlp.max_seq_len)
-
-
-def batch_dtype(target):
-    return jax.numpy.float32 if target.n_features is not None else jax.numpy.int32
 
 
 # Steps of the faithfulness warmup per dispatch: a stop is seen between two (~5 ms of a toy
@@ -456,56 +441,3 @@ def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str |
         print(f"evaluated step {step} of {rd.path}: {out}/summary.json"
               + (f", {figures}/" if figures else ""))
     return summary
-
-
-def save_decomposition(path: str, state: TrainState, sites) -> None:
-    comps = jax.device_get(state.components)
-    tensors = {}
-    for s in sites:
-        tensors[f"{s}/V"] = np.asarray(comps.V[s])
-        tensors[f"{s}/U"] = np.asarray(comps.U[s])
-    storage.write_bytes(path, safetensors_numpy.save(
-        tensors, metadata={"sites": json.dumps(list(sites))}))
-
-
-def load_decomposition(run_dir: str) -> dict[str, dict[str, np.ndarray]]:
-    """The consumer API: components as numpy, {site: {"V": [d_in, C], "U": [C, d_out]}}.
-
-    A finished run's decomposition.safetensors; for a run still going (or stopped), the
-    `decomposition` part of its latest committed checkpoint [C2] (no mesh needed), with a
-    warning that names its step: those are not the final components.
-    """
-    run_dir = storage.normalize(run_dir)  # a pathlib.Path, `~`
-    if not storage.exists(run_dir):
-        raise FileNotFoundError(f"{run_dir}: no such run directory")
-    if not storage.is_dir(run_dir):
-        raise NotADirectoryError(f"{run_dir} is a file, not a run directory")
-    rd = RunDir(run_dir)
-    path = rd.file(DECOMPOSITION)
-    out: dict[str, dict[str, np.ndarray]] = {}
-    if storage.exists(path):
-        blob = storage.read_bytes(path)
-        try:
-            tensors = safetensors_numpy.load(blob)
-        except Exception as e:  # safetensors raises several types for a damaged file
-            raise ValueError(f"{path} is not a readable safetensors file ({e}); the run's "
-                             "latest checkpoint holds the same components: delete the file "
-                             "to read them from there") from None
-        for name, arr in tensors.items():
-            site, part = name.rsplit("/", 1)
-            out.setdefault(site, {})[part] = arr
-        return out
-    step = checkpoint.latest_step(run_dir)
-    if step is None:
-        raise FileNotFoundError(f"{run_dir}: no decomposition yet ({DECOMPOSITION} missing and "
-                                "no committed checkpoint)")
-    if not rd.complete:  # (a finished run's last checkpoint is its final state)
-        warnings.warn(f"{run_dir} has not finished: these are the components of its "
-                      f"checkpoint at step {step}, not the final ones", stacklevel=2)
-    arrays = checkpoint.restore(run_dir, step, parts=("decomposition",)).arrays
-    prefix = "decomposition/components/"
-    for name, arr in arrays.items():
-        if name.startswith(prefix):
-            part, site = name[len(prefix):].split("/", 1)
-            out.setdefault(site, {})[part] = np.asarray(arr)
-    return out

@@ -119,3 +119,16 @@ class LMData:
 def make(cfg: Config, target, rows: RowSharding | None = None):
     """The data of a run (validated before any compute), its batches on `rows`."""
     return LMData(cfg, rows) if is_lm(cfg) else ToyData(cfg, target, rows)
+
+
+def batch_shape(cfg: Config, target) -> tuple[int, ...]:
+    """The training batch for `ppgd-tpu shardings` and load_run (shapes only, no store
+    opened): [B, n_features] toy inputs; [B, T] tokens with T = the target's max_seq_len
+    (a run's T is its store's row length - 1)."""
+    if target.n_features is not None:
+        return (cfg.data.batch_size, target.n_features)
+    return (cfg.data.batch_size, cfg.target.llama_simple_mlp.max_seq_len)
+
+
+def batch_dtype(target):
+    return jax.numpy.float32 if target.n_features is not None else jax.numpy.int32
