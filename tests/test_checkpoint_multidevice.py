@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -261,21 +260,16 @@ def _stored_chunks(leaf_dir: str) -> set:
     return {tuple(int(i) for i in k.split("/")[1:]) for k in keys}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_write_own_shards_to_gcs_C4(gcs_emulator, tmp_path):
     """2 JAX processes x 2 devices over gloo each write only their shards to gs://, commit
     once via a barrier; each reads back its own slices on another layout; one process with no
     mesh reads the whole state, with the same digest as a single-process save."""
     from ppgd_tpu.checkpoint import audit
     from ppgd_tpu.checkpoint.checkpointer import restore, save
+    from ppgd_tpu.launch_local import free_port
 
     run_dir = gcs_emulator.run_dir()
-    port = _free_port()
+    port = free_port()
     procs = [
         spawn("multiprocess", {"run_dir": run_dir, "mesh": [2, 2], "step": 3, "port": port, "process_id": i}, 2)
         for i in range(2)

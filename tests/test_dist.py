@@ -9,6 +9,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -225,12 +226,14 @@ def test_processes_given_different_configs_are_refused_naming_the_fields(tmp_pat
 
 
 def test_unreachable_coordinator_is_a_clear_error_not_a_hang():
-    port = free_port()  # nothing listens here
-    code = ("from ppgd_tpu import dist\n"
-            f"dist.initialize('127.0.0.1:{port}', 2, 1, local_device_count=1, timeout_s=2)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                                 "JAX_PLATFORMS": "cpu"})
+    with socket.socket() as held:  # bound, not listening: nobody answers, nobody takes it
+        held.bind(("127.0.0.1", free_port()))
+        port = held.getsockname()[1]
+        code = ("from ppgd_tpu import dist\n"
+                f"dist.initialize('127.0.0.1:{port}', 2, 1, local_device_count=1, timeout_s=2)\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                     "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 1, out.stderr
     assert f"coordinator 127.0.0.1:{port} did not answer within 2 s" in out.stderr
 

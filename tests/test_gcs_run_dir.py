@@ -296,16 +296,13 @@ def test_a_connection_failure_is_named_as_cloud_storage_out_of_reach():
     without a run's retries (the run: test_cloud_storage_lost_mid_run_...)."""
     import aiohttp
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-
-    async def get():
+    async def get(port):
         async with aiohttp.ClientSession() as session:
             await session.get(f"http://127.0.0.1:{port}/")
 
-    with pytest.raises(aiohttp.ClientError) as e:
-        asyncio.run(get())
+    with socket.socket() as s, pytest.raises(aiohttp.ClientError) as e:
+        s.bind(("127.0.0.1", 0))  # held, not listening: refused, and nobody else's meanwhile
+        asyncio.run(get(s.getsockname()[1]))
     assert storage._gcs_failure(e.value).startswith("cannot reach Cloud Storage")
     # a service that stopped answering (frozen): gcsfs's timeout has no message of its own
     from fsspec.exceptions import FSTimeoutError

@@ -43,6 +43,26 @@ def check_echoes(stdout, processes, devices):
                             "PPGD_PROCESS_ID": str(i), "PPGD_LOCAL_DEVICE_COUNT": str(devices)}
 
 
+
+def test_free_port_is_below_the_ephemeral_range_and_unseeded():
+    """The coordinator binds the port seconds after free_port() chose it: one from the
+    ephemeral range could meanwhile be handed to any connect() or bind(0) on the machine
+    (the other pytest worker's gloo, its emulator); a seeded `random` would give two
+    launchers the same port."""
+    import random
+    import socket
+
+    low = launch_local._ephemeral_low()
+    ports = []
+    for _ in range(20):
+        random.seed(0)
+        port = launch_local.free_port()
+        assert 10000 <= port < low, (port, low)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free when returned
+        ports.append(port)
+    assert len(set(ports)) > 1, ports
+
 def test_args_after_double_dash_reach_every_child_unchanged_with_module():
     out = run([sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "3",
                "--devices_per_process", "2", "--module", "tests.dist_echo", "--", *ARGS])

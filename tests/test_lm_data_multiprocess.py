@@ -6,7 +6,6 @@ This file is also the worker script (multi-process runs happen in subprocesses).
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -53,14 +52,13 @@ def worker(args: dict) -> None:
 
 def test_two_processes_read_their_own_rows_of_the_global_batch(tmp_path):
     from ppgd_tpu.data import tokenize
+    from ppgd_tpu.launch_local import free_port
 
     (tmp_path / "doc.txt").write_text("the cat sat on a mat. " * 200)
     store = str(tmp_path / "store")
     assert tokenize.main(["--input", str(tmp_path / "doc.txt"), "--output", store,
                           "--seq_len", "17"]) == 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
