@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppgd_tpu import cli, storage
+from ppgd_tpu import cli, storage, workspace
 
 
 def _peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
@@ -485,7 +485,7 @@ def bench_run(args: list[str]) -> int:
             return rc
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    with open(os.path.join(run_dir, "summary.json")) as fh:
+    with open(os.path.join(run_dir, workspace.SUMMARY)) as fh:
         summary = json.load(fh)
     _print({"config": cfg.name, "steps": cfg.decomp.steps, "compile_cache": mode,
             "wall_s": wall, "steps_per_s_overall": cfg.decomp.steps / wall,

@@ -30,6 +30,7 @@ def to_host(metrics: dict) -> dict:
             for k, v in fetched.items()}
 
 
+METRICS = "metrics.jsonl"  # RUN_DIR/metrics.jsonl: a line per log step and per eval
 TENSORBOARD = "tb"  # RUN_DIR/tb: the event files
 WINDOW_PREFIX = "train/grad_norms/summary/"  # the keys of the log window's statistics
 
@@ -191,7 +192,7 @@ class MetricsWriter:
         those steps again): metrics.jsonl's lines now, TensorBoard's events by a purge from
         `resume_step + 1` (a SessionLog START, which TensorBoard honours when it reads)."""
         self.enabled = enabled
-        self.path = storage.join(run_dir, "metrics.jsonl")
+        self.path = storage.join(run_dir, METRICS)
         self.remote = storage.is_gcs(run_dir)
         self.flush_s, self.flushed_at = flush_s, time.monotonic()
         self.lines: list[str] = []

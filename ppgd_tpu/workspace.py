@@ -28,7 +28,7 @@ from ppgd_tpu.config import Config, ConfigError
 from ppgd_tpu.trace import PROFILE
 
 CONFIG = "config.yaml"
-METRICS = "metrics.jsonl"
+METRICS = metrics_lib.METRICS
 SUMMARY = "summary.json"
 DECOMPOSITION = "decomposition.safetensors"
 TARGET = "target.json"

@@ -13,6 +13,7 @@ import sys
 from ppgd_tpu.checkpoint import audit
 from ppgd_tpu.checkpoint import manifest as mf
 from ppgd_tpu import storage
+from ppgd_tpu.workspace import CONFIG
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,11 +30,11 @@ def _parser() -> argparse.ArgumentParser:
 def _not_a_run_dir(run_dir: str, given: str) -> str:
     """What to say of a path with no ckpts/: it may be the run's ckpts/ or a step in it."""
     head, name = posixpath.split(run_dir)
-    if name == "ckpts":
+    if name == mf.CKPTS:
         return f"{given} is a checkpoint directory: give its run directory, {head}"
-    if posixpath.basename(head) == "ckpts" and name.isdigit():
+    if posixpath.basename(head) == mf.CKPTS and name.isdigit():
         return f"{given} is one step's checkpoint: give its run directory, {posixpath.dirname(head)}"
-    if storage.exists(storage.join(run_dir, "config.yaml")):
+    if storage.exists(storage.join(run_dir, CONFIG)):
         return f"{given} is a run directory with no checkpoint yet"
     return f"is {given!r} a run directory?"
 

@@ -36,8 +36,11 @@ class NewerCheckpoint(ValueError):
     """A checkpoint in a format this code predates: not damage, nothing to delete."""
 
 
+CKPTS = "ckpts"  # RUN_DIR/ckpts/<step>/
+
+
 def ckpts_dir(run_dir: str) -> str:
-    return storage.join(storage.normalize(run_dir), "ckpts")
+    return storage.join(storage.normalize(run_dir), CKPTS)
 
 
 def step_dir(run_dir: str, step: int) -> str:
