@@ -50,8 +50,8 @@ class ReplayController:
     def __init__(self, dec: Decomposer, shardings: Shardings | None = None):
         self.mode = dec.cfg.data.replay_ci_update
         self.k = dec.cfg.data.train_batch_replay
-        self.reads_V = dec.envelope_reads_V
-        self.keeps_env_V = dec.window_keeps_V
+        self.envelope_reads_V = dec.envelope_reads_V
+        self.window_keeps_V = dec.window_keeps_V
 
         def jit(fn, donate, ins=None, outs=None):
             if shardings is None:
@@ -66,7 +66,7 @@ class ReplayController:
         self.mean_accum = jit(dec.mean_accum, (1, 2), ((tg, env), st, env, b), (st, env, sc))
         # acc is not donated here: no output has its shape, so XLA could not reuse it.
         v = None if st is None else st.components.V
-        made = (tg, env, v) if self.keeps_env_V else (tg, env)
+        made = (tg, env, v) if self.window_keeps_V else (tg, env)
         self.mean_update = jit(dec.mean_update, 1, (made, st, env, b), (st, sc))
         self.copy_V = jit(copy_V, (), (st,), v)
         # jitted, so the accumulator arrives committed like mean_accum's own output: an eagerly
@@ -80,7 +80,7 @@ class ReplayController:
         """The window's envelope from the current CI fn (and what `mean` adds to it)."""
         self.env = self.compute_ci(target, state, batch)
         self.acc = self.zero_acc(self.env) if self.mode == "mean" else None
-        self.env_V = self.copy_V(state) if self.keeps_env_V else None
+        self.env_V = self.copy_V(state) if self.window_keeps_V else None
 
     def ci_updated(self, s: int) -> bool:
         """Whether global step s updates the CI fn."""
@@ -108,7 +108,7 @@ class ReplayController:
         if t < self.k - 1:
             state, self.acc, m = self.mean_accum((target, self.env), state, self.acc, batch)
             return state, m
-        made = (target, self.env, self.env_V) if self.keeps_env_V else (target, self.env)
+        made = (target, self.env, self.env_V) if self.window_keeps_V else (target, self.env)
         state, m = self.mean_update(made, state, self.acc, batch)
         self.env = self.acc = self.env_V = None
         return state, m

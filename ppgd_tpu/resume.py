@@ -56,7 +56,7 @@ def _state_prefix(field: str) -> str:
 
 
 def _stores_envelope(replay: ReplayController) -> bool:
-    return replay.mode == "first" or (replay.mode != "every" and replay.reads_V)
+    return replay.mode == "first" or (replay.mode != "every" and replay.envelope_reads_V)
 
 
 def state_leaves(state: TrainState) -> dict[str, jax.Array]:
@@ -76,7 +76,7 @@ def checkpoint_leaves(state: TrainState, replay: ReplayController) -> dict[str, 
         out.update(named_leaves(replay.env, ENVELOPE))
     if replay.mode == "mean":
         out.update(named_leaves(replay.acc, ACCUMULATOR))
-    if replay.keeps_env_V:
+    if replay.window_keeps_V:
         out.update(named_leaves(replay.env_V, ENVELOPE_V))
     return out
 
@@ -126,5 +126,5 @@ def restore_window(replay: ReplayController, dec: Decomposer, state: TrainState,
         replay.env = replay.compute_ci(target, state, batch)
     if replay.mode == "mean":
         replay.acc = _fill(jax.eval_shape(zero_accumulator, template), arrays, ACCUMULATOR)
-    if replay.keeps_env_V:
+    if replay.window_keeps_V:
         replay.env_V = _fill(state.components.V, arrays, ENVELOPE_V)

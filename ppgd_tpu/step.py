@@ -87,7 +87,7 @@ class Decomposer:
         self.run_key = lambda: jax.random.key(cfg.seed)
         # the CI fn's values depend on V (the per-component family): an envelope is a
         # function of the V it was computed with, and V moves inside a replay window
-        self.envelope_reads_V = ci_lib.uses_components(cfg.decomp.ci_fn.kind)
+        self.envelope_reads_V = ci_lib.reads_V(cfg.decomp.ci_fn.kind)
         # ... so a `mean` window keeps the V its envelope was made with (replay.py)
         self.window_keeps_V = self.envelope_reads_V and cfg.data.replay_ci_update == "mean"
         # live_rows.py: on CPU a position-less target's recon forwards skip all-zero rows.
@@ -219,13 +219,13 @@ class Decomposer:
     def _envelope_vjp(self, state: TrainState, taps):
         """The envelope of `taps` and its vjp -> (CI-fn cotangent, component cotangent or
         None)."""
-        reads_components = getattr(state.ci_fn, "reads_components", False)
+        grads_into_components = getattr(state.ci_fn, "grads_into_components", False)
 
         def envelope_of(ci_fn, comps):
             ci = ci_lib.ci_from_logits(ci_fn(taps, comps))
             return Envelope(_cast(ci.lower, self.dtype), _cast(ci.upper, self.dtype))
 
-        if reads_components:
+        if grads_into_components:
             return jax.vjp(envelope_of, state.ci_fn, state.components)
         env, vjp = jax.vjp(lambda f: envelope_of(f, state.components), state.ci_fn)
         return env, lambda g: (vjp(g)[0], None)

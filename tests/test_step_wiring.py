@@ -194,7 +194,7 @@ def test_S19_S20_step_updates_are_clipped_adamw_at_the_global_step_lrs(target):
                faithfulness_coeff=1e-4, imp_min=ImpMinConfig(coeff=1e-5),
                stochastic={"st": StochasticTerm(coeff=2e-4)})
     dec = Decomposer(cfg, target, (B, 5))
-    assert getattr(dec.init(target).ci_fn, "reads_components", False)
+    assert getattr(dec.init(target).ci_fn, "grads_into_components", False)
     state = _at_step(dec.init(target), s0)
     weights = target.site_weights()
     step_fn = jax.jit(dec.full)

@@ -86,7 +86,7 @@ class PerComponentMLP(eqx.Module):
         return tuple(self.w1)
 
     @property
-    def reads_components(self) -> bool:
+    def grads_into_components(self) -> bool:
         """Whether CI carries gradient into the components."""
         return not self.detach_inputs
 
@@ -135,7 +135,7 @@ class GlobalMLP(eqx.Module):
         return dict(zip(self.sites, jnp.split(y, np.cumsum(self.widths)[:-1], axis=-1)))
 
 
-def uses_components(kind: str) -> bool:
+def reads_V(kind: str) -> bool:
     """Whether a family's CI values depend on the components (V), not on the taps alone."""
     return kind == "per_component_mlp"
 
