@@ -187,7 +187,9 @@ def _check_one_config(cfg: Config) -> None:
 def train(cfg: Config, run_dir: str) -> dict:
     """Runs, resumes, or reports already complete the decomposition of `cfg` in `run_dir`."""
     _check_one_config(cfg)
-    with RunDir(run_dir) as rd:  # its lock (local dirs) is held until the run returns
+    # the dir's lock (local dirs) is taken by check_compatible (a resume) or create (a new
+    # run), before anything is written, and held until the run returns
+    with RunDir(run_dir) as rd:
         # Decided once, by the main process for all: each one asking itself could see the
         # config.yaml that process 0 writes in create() and skip create()'s collective.
         resuming = dist.broadcast_from_main(rd.exists)

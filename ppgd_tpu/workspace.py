@@ -271,8 +271,8 @@ class RunDir:
 
     def drop_torn_writes(self) -> None:
         """Deletes what atomic writes killed mid-way left (`<name>.tmp-<hex>`, never read:
-        only the rename makes a file whole) in the dir and figures/. Main process, under the
-        lock; gs:// uploads leave none."""
+        only the rename makes a file whole) in the dir and figures/. Main process, after
+        check_compatible or create took the lock; gs:// uploads leave none."""
         if storage.is_gcs(self.path) or not dist.is_main():
             return
         for where in (self.path, self.file(FIGURES)):
