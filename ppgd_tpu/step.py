@@ -148,6 +148,13 @@ class Decomposer:
         taps = target.read_activations(batch, ci_fn.input_names)
         return ci_lib.ci_from_logits(ci_fn(taps, components))
 
+    def _envelope(self, ci_fn, components, taps) -> Envelope:
+        """[S5] the CI of `taps` in compute dtype, as the losses read it: the one definition
+        the live step, its vjp and compute_ci share (a replayed envelope must be bitwise
+        the live one [W6])."""
+        ci = ci_lib.ci_from_logits(ci_fn(taps, components))
+        return Envelope(_cast(ci.lower, self.dtype), _cast(ci.upper, self.dtype))
+
     def live_rows(self, target: Target, batch) -> live_lib.LiveRows | None:
         """The rows a step's recon forwards must run on (live_rows.py); None: all of them."""
         if not self.skip_dead_rows:
@@ -220,11 +227,7 @@ class Decomposer:
         """The envelope of `taps` and its vjp -> (CI-fn cotangent, component cotangent or
         None)."""
         grads_into_components = getattr(state.ci_fn, "grads_into_components", False)
-
-        def envelope_of(ci_fn, comps):
-            ci = ci_lib.ci_from_logits(ci_fn(taps, comps))
-            return Envelope(_cast(ci.lower, self.dtype), _cast(ci.upper, self.dtype))
-
+        envelope_of = lambda ci_fn, comps: self._envelope(ci_fn, comps, taps)
         if grads_into_components:
             return jax.vjp(envelope_of, state.ci_fn, state.components)
         env, vjp = jax.vjp(lambda f: envelope_of(f, state.components), state.ci_fn)
@@ -364,9 +367,8 @@ class Decomposer:
 
     def compute_ci(self, target: Target, state: TrainState, batch) -> Envelope:
         """An envelope from a plain CI forward: no vjp, no update."""
-        ci = self.ci(state.ci_fn, state.components, target, batch)
-        return jax.lax.stop_gradient(Envelope(_cast(ci.lower, self.dtype),
-                                              _cast(ci.upper, self.dtype)))
+        taps = target.read_activations(batch, state.ci_fn.input_names)
+        return jax.lax.stop_gradient(self._envelope(state.ci_fn, state.components, taps))
 
     def repeat(self, model_env, state: TrainState, batch):
         """[W3] a step on the cached envelope: no taps, no CI fn forward or backward; the CI
