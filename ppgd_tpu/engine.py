@@ -279,14 +279,8 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
                     if len(in_flight) > MAX_IN_FLIGHT:
                         in_flight.popleft().block_until_ready()
                 if done % cfg.log.every == 0 or done == steps:
-                    window = [metrics_lib.to_host(w) for w in jax.device_get(window)]
-                    values = dict(window[-1])
-                    values.update(metrics_lib.window_stats(window))
-                    values["train/replay/window_position"] = s % k
-                    values["train/replay/ci_updated"] = int(replay.ci_updated(s))
-                    values.update(clock.take(done - s_last))
-                    values.update(_throughput(values["train/perf/step_time_s"], batch.shape,
-                                              trainer.target))
+                    values = _log_record(window, s, replay, clock, done - s_last,
+                                         batch.shape, trainer.target)
                     progress.update(done - s_last, values["train/loss/total"])
                     s_last, window = done, []
                     writer.write(done, values)
@@ -320,6 +314,23 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     writer.close()
     saver.wait()
     return _finish(cfg, rd, trainer, state, stop)
+
+
+def _log_record(window: list[dict], s: int, replay: ReplayController,
+                clock: metrics_lib.WindowClock, n_steps: int, batch_shape: tuple[int, ...],
+                target) -> dict:
+    """The metrics.jsonl line of log step s + 1: the last step's metrics, the statistics
+    of the window of `n_steps` steps since the last log, where s sits in its replay window,
+    and the window's timing and throughput. The clock is read once the window's metrics
+    are fetched, i.e. once the device has run its steps."""
+    window = [metrics_lib.to_host(w) for w in jax.device_get(window)]
+    values = dict(window[-1])
+    values.update(metrics_lib.window_stats(window))
+    values["train/replay/window_position"] = s % replay.k
+    values["train/replay/ci_updated"] = int(replay.ci_updated(s))
+    values.update(clock.take(n_steps))
+    values.update(_throughput(values["train/perf/step_time_s"], batch_shape, target))
+    return values
 
 
 def _throughput(step_s: float, batch_shape: tuple[int, ...], target) -> dict:
