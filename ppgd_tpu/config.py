@@ -203,7 +203,8 @@ class StochasticTerm:
 @dataclass(frozen=True)
 class PersistentPGDTerm:
     coeff: float = _f(1.0, "term coefficient (the final ascent divides by it [S14])", gt=0.0)
-    scope: Literal["sc", "bsc"] = _f("sc", "sources shared across the batch or one per row (SPEC 5)")
+    scope: Literal["sc", "bsc"] = _f("sc", "sources shared across the batch or one per row "
+                                     "(SPEC 5)")
     n_warmup: int = _f(0, "supplemental ascents per step [S24]", lo=0)
     lr: Schedule = _f(factory=lambda: Schedule("constant", 0.01), help="source Adam-ascent lr")
     beta1: float = _f(0.9, "Adam beta1 (bias correction divides by 1 - beta1^t)", lo=0.0,

@@ -2,10 +2,10 @@
 `ppgd_tpu.load_run`, the same together with its CI function, so a researcher can ask which
 components an input of their own uses.
 
-The CI function is the other half of a
-decomposition [S5]: it is restored here from a committed checkpoint's `decomposition` part
-[C2], with the frozen target rebuilt from the run's config and checked against the weights
-the run was started with [C1]. Host numpy in, host numpy out; no mesh, one process.
+The CI function is the other half of a decomposition [S5]: it is restored here from a
+committed checkpoint's `decomposition` part [C2], with the frozen target rebuilt from the
+run's config and checked against the weights the run was started with [C1]. Host numpy in,
+host numpy out; no mesh, one process.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class ReconPart(NamedTuple):
     g_comp: Any  # the components' gradient
     g_env: Envelope | None  # the envelope's cotangent; None with the CI fn live
     g_ci: Any  # the CI fn's gradient; None with it replayed
-    env: Envelope | None  # the envelope the losses read
+    env: Envelope | None  # the envelope the losses read (None out of the live-rows switch)
 
 
 def _cast(tree, dtype):
