@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -118,6 +119,18 @@ def worker(mode: str, args: dict) -> None:
             real_write_leaves(root, leaves)
 
         arrays_io.write_leaves = recording_write_leaves
+
+        # Process 0 commits late, so a process whose save returns before the commit marker
+        # exists finds no checkpoint to read back below (the race CI once lost by chance).
+        from ppgd_tpu.checkpoint import manifest as mf
+
+        real_commit = mf.commit
+
+        def late_commit(sdir):
+            time.sleep(3)
+            real_commit(sdir)
+
+        mf.commit = late_commit
 
     mesh = _mesh(args["mesh"])
     state = _place(global_state(), _shardings(mesh, WRITE_SPECS))
@@ -262,8 +275,9 @@ def _stored_chunks(leaf_dir: str) -> set:
 
 def test_two_processes_write_own_shards_to_gcs_C4(gcs_emulator, tmp_path):
     """2 JAX processes x 2 devices over gloo each write only their shards to gs://, commit
-    once via a barrier; each reads back its own slices on another layout; one process with no
-    mesh reads the whole state, with the same digest as a single-process save."""
+    once via a barrier; once its save returns, each (even while process 0 is slow to commit)
+    reads back its own slices on another layout; one process with no mesh reads the whole
+    state, with the same digest as a single-process save."""
     from ppgd_tpu.checkpoint import audit
     from ppgd_tpu.checkpoint.checkpointer import restore, save
     from ppgd_tpu.launch_local import free_port

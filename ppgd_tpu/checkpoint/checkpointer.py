@@ -8,7 +8,9 @@ Save protocol for one step, run by every process in the background thread:
   1. process 0 clears any leftover of a dead attempt at this step, writes the manifest and
      creates every leaf array (metadata only);             barrier "<step>/prepared"
   2. every process writes the shards it owns (replica 0);  barrier "<step>/written"
-  3. process 0 writes the commit marker LAST [C4], then applies retention.
+  3. process 0 writes the commit marker LAST [C4], then applies retention;
+                                                           barrier "<step>/committed"
+so a save that has returned on ANY process is committed and visible to every process.
 `barrier(name)` must block until every process has called it with that name (e.g. the
 jax.distributed client's wait_at_barrier); it is only needed with more than one process.
 """
@@ -64,6 +66,7 @@ def write_step(
             deleted = mf.retain(run_dir, keep_last_n, keep_every)
             if deleted:
                 logging.info("retention deleted checkpoint step(s) %s", deleted)
+    barrier(f"ppgd_ckpt/{step}/committed")
     return True
 
 
