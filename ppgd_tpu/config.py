@@ -656,15 +656,21 @@ def trajectory_diff(old: Config, new: Config, also_resumable: tuple[str, ...] = 
 # ---------------------------------------------------------------- cross-field validation
 
 
+# The logged loss parts (train/loss/<part>) that are not recon terms: a recon term may not
+# take one of these names.
+LOSS_PARTS_BESIDE_RECON = frozenset({"faithfulness", "imp_min", "total"})
+
+
 def validate(cfg: Config) -> Config:
     """Cross-field rules; single-field ranges are checked in from_dict."""
     names = list(cfg.loss.stochastic) + list(cfg.loss.persistent_pgd) + list(cfg.loss.fresh_pgd)
-    reserved = {"total", "faithfulness", "imp_min"}
     for n in names:
-        if n in reserved or names.count(n) > 1 or not n.replace("_", "").replace("-", "").isalnum():
+        plain = n.replace("_", "").replace("-", "").isalnum()
+        if n in LOSS_PARTS_BESIDE_RECON or names.count(n) > 1 or not plain:
             raise ConfigError(
-                f"loss.*.{n}: recon term names must be unique identifiers across loss.stochastic, "
-                f"loss.persistent_pgd and loss.fresh_pgd, and not one of {sorted(reserved)}")
+                f"loss.*.{n}: recon term names must be unique identifiers across "
+                "loss.stochastic, loss.persistent_pgd and loss.fresh_pgd, and not one of "
+                f"{sorted(LOSS_PARTS_BESIDE_RECON)}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.name):
         raise ConfigError(
             f"name: {cfg.name!r} is not a plain name (letters, digits and . _ - , not "

@@ -237,6 +237,13 @@ def test_refused_yaml_names_the_dotted_path(capsys, tmp_path):
     assert not (tmp_path / "r").exists()
     rc, _, err = _run(["train", f"--config={tmp_path / 'missing.yaml'}"], capsys)
     assert rc == 2 and "--config: no such file" in err
+    # a recon term named like another logged loss part, or like a term of another family
+    for terms in ["stochastic: {total: {}}", "fresh_pgd: {imp_min: {}}",
+                  "persistent_pgd: {stochastic: {}}"]:
+        cfg.write_text(f"loss:\n  {terms}\n")
+        rc, _, err = _run(["train", f"--config={cfg}", f"--run_dir={tmp_path / 'r'}"], capsys)
+        assert rc == 2 and "recon term names must be unique identifiers" in err, terms
+        assert not (tmp_path / "r").exists()
 
 
 def test_console_script_exit_status_is_2():

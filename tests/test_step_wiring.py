@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ppgd_tpu.config import (Config, ImpMinConfig, PersistentPGDTerm, Schedule, StochasticTerm,
-                             TMSConfig)
+                             TMSConfig, LOSS_PARTS_BESIDE_RECON)
 from ppgd_tpu.decomp import ci_fn as ci_lib
 from ppgd_tpu.decomp import losses
 from ppgd_tpu.step import Decomposer, Envelope
@@ -115,6 +115,9 @@ def test_SPEC6_total_is_faith_coeff_faithfulness_plus_imp_min_plus_coeff_weighte
     state = _at_step(dec.init(target), 4)
     _, m = jax.jit(dec.full)(state, target, _batch(target, 5))
     m = {k: float(v) for k, v in m.items()}
+    # config refuses recon term names that clash with the other parts the step logs
+    parts = {k.removeprefix("train/loss/") for k in m if k.startswith("train/loss/")}
+    assert parts == set(coeffs) | LOSS_PARTS_BESIDE_RECON
     total = 0.7 * m["train/loss/faithfulness"] + m["train/loss/imp_min"] + sum(
         c * m[f"train/loss/{n}"] for n, c in coeffs.items())
     assert m["train/loss/total"] == pytest.approx(total, rel=1e-6)
