@@ -8,15 +8,15 @@ reads, on a free localhost port. This is how multi-host behaviour (gloo collecti
 stop-signal consensus [C5], per-process checkpoint writes) runs on one machine.
 
 Output is streamed line by line with a `[pN]` prefix (none on lines the child tagged
-`[pN/M]` itself). Fail-fast: the first child that exits non-zero gets the others killed,
-is named with its exit code, and its code is ours (a child killed by signal S counts as
-128+S). The first SIGTERM/SIGINT sent to the launcher
-is forwarded to every child (SIGHUP, a closed terminal, as SIGTERM); the children agree on a
-stop step, save, and exit 0; later signals are only noted, so pressing Ctrl-C again cannot
-turn that clean stop into a failure. Children run in their own process groups so a
-terminal's Ctrl-C reaches them only through this forwarding, and (children of `python -m
-MODULE`, on Linux) get a SIGTERM if the launcher itself dies (signals.follow_launcher).
-JAX_PLATFORMS defaults to cpu for the children.
+`[pN/M]` itself). Fail-fast: the first child that exits non-zero is named with its exit
+code, and its code is ours (a child killed by signal S counts as 128+S); the others, told
+of it, get OTHERS_END_S to say so and exit, and are then killed. The first SIGTERM/SIGINT
+sent to the launcher is forwarded to every child (SIGHUP, a closed terminal, as SIGTERM);
+the children agree on a stop step, save, and exit 0; later signals are only noted, so
+pressing Ctrl-C again cannot turn that clean stop into a failure. Children run in their own
+process groups so a terminal's Ctrl-C reaches them only through this forwarding, and
+(children of `python -m MODULE`, on Linux) get a SIGTERM if the launcher itself dies
+(signals.follow_launcher). JAX_PLATFORMS defaults to cpu for the children.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import IO
 
 from ppgd_tpu import dist, signals
@@ -199,9 +200,15 @@ def main(argv: list[str]) -> int:
     return code
 
 
+# After the first failure, how long the other children get to end on their own before they
+# are killed: a ppgd-tpu child is told of it (dist.report_failure), says why and exits within
+# dist.FAILURE_GRACE_S; killed at once, it could not say why.
+OTHERS_END_S = dist.FAILURE_GRACE_S + 3.0
+
+
 def _wait(children: list[subprocess.Popen], exits: queue.Queue[tuple[int, int]],
           forwarded: list[str]) -> int:
-    """Block until every child exits 0, or until the first failure (then kill the rest). A
+    """Block until every child exits 0, or until the first failure (then end the rest). A
     child that ends with 130/143 after a forwarded signal was stopped by it, before its
     loop or after its last step (every child ends so), not failed."""
     for _ in children:
@@ -219,7 +226,11 @@ def _wait(children: list[subprocess.Popen], exits: queue.Queue[tuple[int, int]],
                      f"after its last step (its checkpoint committed); exit {rc}. Re-run the "
                      "same command to start, resume or finish it")
             else:
-                _say(f"process p{index} {how}; killing the others")
+                _say(f"process p{index} {how}; ending the others (killed if still running "
+                     f"after {OTHERS_END_S:g} s)")
+            deadline = time.monotonic() + OTHERS_END_S
+            while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+                time.sleep(0.05)
             for c in children:
                 _kill(c)
             return _exit_code(rc)

@@ -14,13 +14,20 @@ print("ECHO " + json.dumps({"argv": sys.argv[1:], "env": env}), flush=True)
 me = int(os.environ["PPGD_PROCESS_ID"])
 print(f"[p{me}/{os.environ['PPGD_NUM_PROCESSES']}] a line tagged as dist.tag() does", flush=True)
 mode = os.environ.get("DIST_ECHO_MODE", "exit")
-if mode == "fail":  # p0 records its pid and waits to be killed; p1 fails once p0 is up
-    pid_file = Path(os.environ["DIST_ECHO_DIR"]) / "p0.pid"
+if mode in ("fail", "fail_told"):
+    # p1 fails once p0 is up; p0 waits to be killed ("fail"), or ("fail_told") ends on its
+    # own half a second after p1's failure, as a ppgd-tpu child told of it does
+    here = Path(os.environ["DIST_ECHO_DIR"])
     if me == 0:
-        pid_file.write_text(str(os.getpid()))
-        while True:
-            time.sleep(1)
-    while not pid_file.exists():
+        (here / "p0.pid.tmp").write_text(str(os.getpid()))
+        os.replace(here / "p0.pid.tmp", here / "p0.pid")  # p1 never reads a partial file
+        while mode == "fail" or not (here / "p1.failed").exists():
+            time.sleep(0.01)
+        time.sleep(0.5)
+        print("told of p1's failure, ending", flush=True)
+        sys.exit(3)
+    while not (here / "p0.pid").exists():
         time.sleep(0.01)
+    (here / "p1.failed").touch()
     print("failing now", flush=True)
     sys.exit(3)

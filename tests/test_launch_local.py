@@ -86,8 +86,21 @@ def test_fail_fast_kills_the_others_and_names_the_failing_child(tmp_path):
     assert out.returncode == 3, out.stdout + out.stderr
     assert "process p1 exited with code 3" in out.stderr
     assert "[p1] failing now" in out.stdout
+    assert "ending the others (killed if still running after" in out.stderr
     with pytest.raises(ProcessLookupError):  # p0 was killed (and reaped) before we returned
         os.kill(int((tmp_path / "p0.pid").read_text()), 0)
+
+
+def test_the_others_end_on_their_own_before_being_killed(tmp_path):
+    """A child told of another's failure says so and exits (a ppgd-tpu child: within
+    dist.FAILURE_GRACE_S, by dist.report_failure); killed at once with the first failure,
+    it could not say it (a refusal every process sees was then said by only some)."""
+    out = run([sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2", "--exec", "--",
+               sys.executable, str(ROOT / "tests" / "dist_echo.py")],
+              DIST_ECHO_MODE="fail_told", DIST_ECHO_DIR=str(tmp_path))
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "process p1 exited with code 3" in out.stderr
+    assert "[p0] told of p1's failure, ending" in out.stdout, out.stdout + out.stderr
 
 
 def test_C5_signals_to_the_launcher_reach_all_children_which_stop_at_one_step():
@@ -154,7 +167,7 @@ def test_a_signal_before_the_loop_ends_the_job_as_stopped_not_as_a_failure(tmp_p
     out = "".join(lines)
     assert ("the SIGINT stopped the job before its loop (nothing saved) or after its last "
             "step (its checkpoint committed); exit 130") in out, out
-    assert "killing the others" not in out and "exited with code 1" not in out
+    assert "ending the others" not in out and "exited with code 1" not in out
 
 
 def _children_of(pid: int) -> list[int]:
