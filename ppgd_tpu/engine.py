@@ -419,7 +419,10 @@ def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str |
     summary.json. It only reads the run's files and takes no lock, so a run that is still
     training can be evaluated; the run never touches evals/."""
     _check_one_config(cfg)
-    committed = checkpoint.committed_steps(rd.path)
+    # Listed once, by the main process for all: a run still training commits (and retention
+    # deletes) steps between two processes' listings, and each restoring the newest step it
+    # saw would evaluate a state mixed from two checkpoints.
+    committed = dist.broadcast_from_main(checkpoint.committed_steps(rd.path))
     if not committed:
         raise ConfigError(f"--run_dir: {rd.path} has no committed checkpoint yet (a run "
                           "commits one on checkpoint.every, on a stop signal and at its end)")

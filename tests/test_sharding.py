@@ -391,6 +391,30 @@ def test_eval_under_launch_local_repeats_one_process_eval(runs, tmp_path):
     assert out.count(f"evaluated step {STEPS} of") == 1
 
 
+def test_eval_under_launch_local_evaluates_the_step_process_0_listed(runs, tmp_path):
+    """A run still training commits its next step between two processes' listings of its
+    checkpoints: here process 0 lists before the newest commit, process 1 after. Every
+    process evaluates the step that process 0 saw (each taking the newest it saw itself
+    restored a state mixed from two checkpoints)."""
+    committed = checkpoint.committed_steps(str(runs["2x2"]))
+    assert len(committed) >= 2
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["eval", f"--run_dir={runs['2x2']}"]
+    _run([*args, f"--output={one}", "--mesh.fsdp=1", f"--step={committed[-2]}"])
+    behind = ("import os, sys\n"
+              "from ppgd_tpu import checkpoint, cli\n"
+              f"if os.environ['{dist.ENV_PROCESS_ID}'] == '0':\n"
+              "    listed = checkpoint.committed_steps\n"
+              "    checkpoint.committed_steps = lambda run_dir: listed(run_dir)[:-1]\n"
+              "cli.main()\n")
+    out = _run(["launch-local", "--processes", "2", "--devices_per_process", "2", "--exec", "--",
+                sys.executable, "-c", behind, *args, f"--output={two}"])
+    want, got = (json.load(open(d / "summary.json")) for d in (one, two))
+    assert got["step"] == committed[-2] and want.keys() == got.keys(), out[-3000:]
+    for k in want:
+        assert _rel(want[k], got[k]) <= TOL, (k, want[k], got[k])
+
+
 def test_C1_processes_that_build_different_targets_are_refused(tmp_path):
     """Every process rebuilds the frozen target itself [C1]; one that read other weights (a
     host's own stale copy of target.path) would decompose another model, so every process
