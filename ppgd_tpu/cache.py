@@ -27,7 +27,10 @@ import hashlib
 import os
 import platform
 
+import filelock
+
 MAX_BYTES = 1 << 30  # JAX evicts least recently used entries beyond this
+LOCK_FILE, LOCK_TIMEOUT_S = ".lockfile", 10.0  # JAX's, held while it writes or evicts
 OFF = ("off", "0", "false", "no")
 
 
@@ -71,11 +74,19 @@ def enable_compile_cache(env=os.environ) -> str | None:
 def drop_torn_entries(path: str) -> list[str]:
     """Removes the entries a killed writer left: JAX writes `<key>-cache`, then `<key>-atime`,
     and never rewrites an existing key, so a torn (empty, or atime-less) entry would fail to
-    load, with a warning, on every later run. Returns the removed names."""
-    try:
-        names = set(os.listdir(path))
-    except OSError:  # no cache yet, or not a directory (JAX then warns and compiles)
+    load, with a warning, on every later run. Returns the removed names. Under JAX's own
+    lock of the cache: an entry another command is writing now is not torn."""
+    if not os.path.isdir(path):  # no cache yet, or not a directory (JAX warns and compiles)
         return []
+    try:
+        with filelock.FileLock(os.path.join(path, LOCK_FILE), timeout=LOCK_TIMEOUT_S):
+            return _drop_torn(path)
+    except (OSError, filelock.Timeout):  # not writable, or busy: left to a later run
+        return []
+
+
+def _drop_torn(path: str) -> list[str]:
+    names = set(os.listdir(path))
     torn = []
     for name in sorted(names):
         if not name.endswith("-cache"):

@@ -5,6 +5,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+
+import filelock
 
 from ppgd_tpu import cache
 
@@ -92,3 +96,24 @@ def test_cache_location_off_switch_and_the_users_own_jax_cache_win():
     assert out["off"] == [None, None]
     assert out["jax_env"] == ["/users", None]  # JAX reads its env var itself
     assert out["jax_config"] == ["/set_in_python", "/set_in_python"]
+
+
+def test_an_entry_another_command_is_writing_is_not_dropped_as_torn(tmp_path):
+    """JAX writes `<key>-cache`, then `<key>-atime`, under its lock of the cache dir; a
+    command starting meanwhile must wait for the lock, not drop the half-written entry."""
+    (tmp_path / "k0-cache").write_bytes(b"")  # a killed writer left this one
+    between = threading.Event()
+
+    def write_entry():
+        with filelock.FileLock(str(tmp_path / cache.LOCK_FILE)):
+            (tmp_path / "k1-cache").write_bytes(b"program")
+            between.set()  # the writer is between its two files
+            time.sleep(0.5)
+            (tmp_path / "k1-atime").write_bytes(b"12345678")
+
+    writer = threading.Thread(target=write_entry)
+    writer.start()
+    assert between.wait(10)
+    assert cache.drop_torn_entries(str(tmp_path)) == ["k0-cache"]
+    writer.join()
+    assert sorted(os.listdir(tmp_path)) == [cache.LOCK_FILE, "k1-atime", "k1-cache"]
