@@ -401,7 +401,7 @@ def test_eval_under_launch_local_evaluates_the_step_process_0_listed(runs, tmp_p
     one, two = tmp_path / "one", tmp_path / "two"
     args = ["eval", f"--run_dir={runs['2x2']}"]
     _run([*args, f"--output={one}", "--mesh.fsdp=1", f"--step={committed[-2]}"])
-    behind = ("import os, sys\n"
+    behind = ("import os\n"
               "from ppgd_tpu import checkpoint, cli\n"
               f"if os.environ['{dist.ENV_PROCESS_ID}'] == '0':\n"
               "    listed = checkpoint.committed_steps\n"
