@@ -43,9 +43,9 @@ from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from ppgd_tpu.config import Config, ConfigError, MeshConfig
+from ppgd_tpu.tracing import BATCH_AXES
 
 AXES = ("data", "fsdp")
-BATCH_AXES = ("data", "fsdp")
 
 # The ONE rule table: logical axis -> mesh axes (flax partitioning rules).
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (

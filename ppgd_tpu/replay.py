@@ -16,8 +16,8 @@ the envelope; where the CI fn reads V the window keeps a copy of the V it was ma
 
 Every variant donates the train state; repeat variants receive (model, envelope) as their
 first argument and spare it [W5]. With `Shardings` every variant is jitted with explicit
-in/out shardings on the run's mesh (ppgd_tpu/mesh.py), so the math stays global-batch math
-and XLA inserts the collectives [D1, D2]. A loop that resumes mid-window gets the window's
+in/out shardings on the run's mesh (ppgd_tpu/mesh.py), and traced for that mesh
+(tracing.py), so the math stays global-batch math and XLA inserts the collectives [D1, D2]. A loop that resumes mid-window gets the window's
 state from the checkpoint (`resume.restore_window`), exactly [W6].
 """
 
@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ppgd_tpu import tracing
 from ppgd_tpu.step import Decomposer, Envelope, TrainState, zero_accumulator
 
 
@@ -46,6 +47,13 @@ def copy_V(state: TrainState) -> dict:
     return jax.tree.map(jnp.copy, state.components.V)
 
 
+# The jitted variants (ReplayController attributes) each mode runs in a window, in order of
+# first use: what `ppgd-tpu compile` compiles for a mode.
+VARIANTS = {"every": ("full",), "first": ("full_keep", "repeat"),
+            "last": ("compute_ci", "repeat", "full"),
+            "mean": ("compute_ci", "mean_accum", "mean_update")}
+
+
 class ReplayController:
     def __init__(self, dec: Decomposer, shardings: Shardings | None = None):
         self.mode = dec.cfg.data.replay_ci_update
@@ -56,7 +64,8 @@ class ReplayController:
         def jit(fn, donate, ins=None, outs=None):
             if shardings is None:
                 return jax.jit(fn, donate_argnums=donate)
-            return jax.jit(fn, donate_argnums=donate, in_shardings=ins, out_shardings=outs)
+            return jax.jit(tracing.traced_on(shardings.scalar.mesh, fn), donate_argnums=donate,
+                           in_shardings=ins, out_shardings=outs)
 
         st, tg, b, env, sc = shardings or (None,) * 5
         self.full = jit(dec.full, 0, (st, tg, b), (st, sc))

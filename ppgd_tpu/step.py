@@ -18,6 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ppgd_tpu import tracing
 from ppgd_tpu.config import Config
 from ppgd_tpu.decomp import adversary as adv_lib
 from ppgd_tpu.decomp import ci_fn as ci_lib
@@ -90,10 +91,10 @@ class Decomposer:
         self.envelope_reads_V = ci_lib.reads_V(cfg.decomp.ci_fn.kind)
         # ... so a `mean` window keeps the V its envelope was made with (replay.py)
         self.window_keeps_V = self.envelope_reads_V and cfg.data.replay_ci_update == "mean"
-        # live_rows.py: on CPU a position-less target's recon forwards skip all-zero rows.
+        # live_rows.py: a position-less target's recon forwards may skip all-zero rows
+        # (done where the program runs on CPU: `live_rows`)
         self.live_sizes = live_lib.sizes(self.leading[0], target.live_row_probability)
-        self.skip_dead_rows = (jax.default_backend() == "cpu" and len(self.leading) == 1
-                               and len(self.live_sizes) > 1)
+        self.skip_dead_rows = len(self.leading) == 1 and len(self.live_sizes) > 1
 
     # ------------------------------------------------------------ state
 
@@ -156,8 +157,9 @@ class Decomposer:
         return Envelope(_cast(ci.lower, self.dtype), _cast(ci.upper, self.dtype))
 
     def live_rows(self, target: Target, batch) -> live_lib.LiveRows | None:
-        """The rows a step's recon forwards must run on (live_rows.py); None: all of them."""
-        if not self.skip_dead_rows:
+        """The rows a step's recon forwards must run on (live_rows.py); None: all of them
+        (always off CPU: tracing.platform())."""
+        if not self.skip_dead_rows or tracing.platform() != "cpu":
             return None
         return live_lib.find(target.read_activations(batch, self.sites), self.live_sizes)
 

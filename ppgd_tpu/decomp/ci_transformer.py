@@ -8,6 +8,7 @@ stop-gradient'd [S27]) attention + GELU-MLP blocks, and ends in one Linear head 
 (d_model -> C_s). The chunks' parameters are STACKED on a leading axis and all chunks run
 under one vmap (blocks under one scan), so every chunk must be homogeneous: the same tap
 widths, site count and C at each position; `init` refuses a mismatch naming the chunk.
+Activations are pinned to the batch rows at block boundaries (tracing.shard_rows) [D1].
 
 Taps (`decomp.ci_fn.taps`):
   * `resid`: `resid.{L}` of every layer of the chunk that has a decomposed site (the
@@ -28,6 +29,7 @@ from ppgd_tpu.config import CIFnConfig, ConfigError
 from ppgd_tpu.decomp import rng
 from ppgd_tpu.targets.llama_simple_mlp import apply_rope, attention, rms_norm, rope_tables
 from ppgd_tpu.targets.lowrank import dense
+from ppgd_tpu.tracing import shard_rows
 
 ROPE_BASE = 10000.0
 
@@ -84,14 +86,15 @@ class ChunkwiseTransformer(eqx.Module):
             B, T, _ = h.shape
             a = rms_norm(h, b.ln_1)
             q, k, v = (jnp.reshape(a @ w, (B, T, self.n_heads, -1)) for w in (b.wq, b.wk, b.wv))
-            h = h + attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
-                              causal=False) @ b.wo
-            return h + jax.nn.gelu(rms_norm(h, b.ln_2) @ b.w1) @ b.w2, None
+            a = shard_rows(attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
+                                     causal=False))
+            h = shard_rows(h + a @ b.wo)
+            return shard_rows(h + jax.nn.gelu(rms_norm(h, b.ln_2) @ b.w1) @ b.w2), None
 
         h, _ = jax.lax.scan(jax.checkpoint(block) if self.remat else block,
-                            x.astype(p.w_in.dtype) @ p.w_in, p.blocks)
+                            shard_rows(x.astype(p.w_in.dtype) @ p.w_in), p.blocks)
         h = rms_norm(h, p.ln_f)
-        return tuple(h @ w + b for w, b in zip(p.head_w, p.head_b))
+        return tuple(shard_rows(h @ w + b) for w, b in zip(p.head_w, p.head_b))
 
 
 def layer_of(site: str) -> int:

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppgd_tpu import tracing
 from ppgd_tpu.decomp.live_rows import live_first
 
 _GELU_K0, _GELU_K1 = float(np.sqrt(2.0 / np.pi)), 0.044715
@@ -55,7 +56,7 @@ def chunk_rows(n_rows: int, width: int) -> int:
     """Rows per chunk: all of them off CPU (accelerators fuse the whole [rows, C, h] pass);
     on CPU as many as keep a chunk's [rows, C, h] fp32 working set under CHUNK_BYTES, a
     multiple of 8."""
-    if jax.default_backend() != "cpu":
+    if tracing.platform() != "cpu":
         return n_rows
     return min(n_rows, max(8, CHUNK_BYTES // (4 * width) // 8 * 8))
 
@@ -141,7 +142,7 @@ def site_mlps(acts: dict, w1: dict, b1: dict, w2: dict, b2: dict) -> dict:
     width = 0
     for s in acts:
         w = w1[s].size
-        if groups and jax.default_backend() == "cpu" and width + w <= MERGE_WIDTH:
+        if groups and tracing.platform() == "cpu" and width + w <= MERGE_WIDTH:
             groups[-1].append(s)
             width += w
         else:

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppgd_tpu import tracing
+
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = np.uint32(0x1BD11BDA)
 
@@ -72,7 +74,7 @@ def uniform(key, shape: tuple[int, ...], minval: float = 0.0, maxval: float = 1.
         return out if rows is None else out[rows]
     out_shape = shape if rows is None else (rows.shape[0], *shape[1:])
     # (with `rows` on a 1-D draw the pairs would straddle the picked elements: not paired)
-    paired = once and jax.default_backend() == "cpu" and len(shape) > (0 if rows is None else 1)
+    paired = once and tracing.platform() == "cpu" and len(shape) > (0 if rows is None else 1)
     view = (*out_shape[:-1], -(-shape[-1] // 2), 2) if paired else out_shape
     k1, k2 = jax.random.key_data(key)
     x0, x1 = _threefry2x32(k1, k2, jnp.zeros(view, jnp.uint32), _flat_index(shape, view, rows))

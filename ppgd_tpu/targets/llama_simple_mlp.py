@@ -10,7 +10,8 @@ configurable base; there are no biases. Sites, in canonical order (layer ascendi
 q, k, v, o, c_fc, down_proj): `h.{L}.attn.{q,k,v,o}_proj`, `h.{L}.mlp.{c_fc,down_proj}`,
 each W [d_in, d_out]. q/k/v are decomposed BEFORE RoPE/attention, o after attention,
 c_fc before the GELU, down_proj after it: every projection goes through `site_fn`, so a
-block with no live site runs the frozen path [S2].
+block with no live site runs the frozen path [S2]. Activations are pinned to the batch rows
+at block boundaries (tracing.shard_rows) [D1].
 
 Taps [S4]: `resid.{L}` (the residual entering block L) and every site name (its input).
 The safetensors names are the state-dict names: `wte`, `ln_f`, `h.{L}.ln_1`, `h.{L}.ln_2`
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppgd_tpu.config import ConfigError, LlamaConfig
+from ppgd_tpu.tracing import shard_rows
 from ppgd_tpu.decomp.divergence import kl
 from ppgd_tpu.targets.base import Target, nonfinite
 
@@ -127,7 +129,7 @@ class LlamaSimpleMLP(Target):
         for L in range(len(self.blocks)):
             block = lambda h, L=L: self._block(L, h, site_fn, tables)
             h = jax.checkpoint(block)(h) if self.remat else block(h)
-        return rms_norm(h, self.ln_f) @ self.wte.T
+        return shard_rows(rms_norm(h, self.ln_f) @ self.wte.T)
 
     def read_activations(self, inputs, wanted):
         """[S4] `resid.{L}` and site inputs, clean path, gradient-stopped; the forward stops
@@ -184,7 +186,8 @@ class LlamaSimpleMLP(Target):
         if tokens.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the target's "
                              f"max_seq_len {self.max_seq_len}")
-        return self.wte[tokens], rope_tables(tokens.shape[1], self.head_dim, self.rope_base)
+        return (shard_rows(self.wte[tokens]),
+                rope_tables(tokens.shape[1], self.head_dim, self.rope_base))
 
     def _block(self, L, h, site_fn, tables):
         b = self.blocks[L]
@@ -195,11 +198,12 @@ class LlamaSimpleMLP(Target):
         k = site_fn(f"h.{L}.attn.k_proj", x, b.k_proj).reshape(B, T, self.n_kv_heads, hd)
         v = site_fn(f"h.{L}.attn.v_proj", x, b.v_proj).reshape(B, T, self.n_kv_heads, hd)
         cos, sin = tables
-        a = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, causal=True)
-        h = h + site_fn(f"h.{L}.attn.o_proj", a, b.o_proj)
+        a = shard_rows(attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
+                                 causal=True))
+        h = shard_rows(h + site_fn(f"h.{L}.attn.o_proj", a, b.o_proj))
         x = rms_norm(h, b.ln_2)
         u = jax.nn.gelu(site_fn(f"h.{L}.mlp.c_fc", x, b.c_fc), approximate=True)
-        return h + site_fn(f"h.{L}.mlp.down_proj", u, b.down_proj)
+        return shard_rows(h + site_fn(f"h.{L}.mlp.down_proj", u, b.down_proj))
 
 
 # ---------------------------------------------------------------- build.py module protocol
