@@ -28,8 +28,9 @@ from ppgd_tpu.config import Config, ConfigError, config_hash
 from ppgd_tpu.consumer import save_decomposition
 from ppgd_tpu.data import lm as data_lib
 from ppgd_tpu.decomp.components import resolve_sites, resolve_ties
+from ppgd_tpu.programs import Batches, Programs
 from ppgd_tpu.replay import ReplayController
-from ppgd_tpu.step import Decomposer, TrainState
+from ppgd_tpu.step import TrainState
 from ppgd_tpu.targets import build as target_build
 from ppgd_tpu.trace import StepTrace
 from ppgd_tpu.workspace import (CONFIG, DECOMPOSITION, EVALS, FIGURES, SUMMARY, RunDir,
@@ -100,37 +101,29 @@ class Trainer:
                               f"(store id by process: {by_process}); give every process "
                               "the same store")
         self.eval_batch, self.eval_labels = self.data.eval_batch, self.data.eval_labels
-        self.dec = Decomposer(cfg, target, self.data.batch_shape)
-        spec = jax.ShapeDtypeStruct(self.data.batch_shape, self.eval_batch.dtype)
-        self.shardings = mesh_lib.step_shardings(self.placement, self.dec, target, spec)
+        struct = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
+        batches = Batches(jax.ShapeDtypeStruct(self.data.batch_shape, self.eval_batch.dtype),
+                          struct(self.eval_batch), struct(self.eval_labels))
+        self.programs = Programs(cfg, self.placement, target, batches)
+        self.dec, self.shardings = self.programs.dec, self.programs.shardings
         self.target = mesh_lib.place(target, self.shardings.target)
-        self.replay = ReplayController(self.dec, self.shardings)
-        rep = self.placement.replicated
-        self.fast_eval = jax.jit(
-            lambda st, t, x, y: eval_lib.fast_metrics(self.dec, st, t, x, y), out_shardings=rep)
-        self.one_hot = jax.jit(lambda st, t: eval_lib.one_hot_ci(self.dec, st, t),
-                               out_shardings=rep)
-        self._gather = jax.jit(lambda tree: tree, out_shardings=rep)
+        self.replay = self.programs.replay
 
     def init_state(self, stop: dist.StopSignal | None = None) -> TrainState | None:
         """[R1] placed init: the state is created sharded, equal to an unplaced init; then
         the faithfulness warmup [S21], in parts of WARMUP_PART steps. With `stop`, each part
         is waited for and then asked whether to stop (once if there is no warmup): None if
         so, the warmup's work discarded [C5]."""
-        st = self.shardings.state
-        state = jax.jit(self.dec.init, in_shardings=(self.shardings.target,),
-                        out_shardings=st)(self.target)
+        p = self.programs
+        state = p.init(self.target)
         n = self.cfg.decomp.faithfulness_warmup_steps
-        # the warmup's AdamW has the main one's structure: placed as opt_components is
-        opt_state = jax.jit(self.dec.warmup_optimizer_state,
-                            out_shardings=st.opt_components)(state) if n else None
-        part = jax.jit(self.dec.faithfulness_warmup_part, donate_argnums=(0, 1),
-                       out_shardings=(st, st.opt_components))
+        opt_state = p.warmup_optimizer_state(state) if n else None
         done = 0
         while True:
             if done < n:
                 count = min(WARMUP_PART, n - done)
-                state, opt_state = part(state, opt_state, self.target, np.int32(count))
+                state, opt_state = p.warmup_part(state, opt_state, self.target,
+                                                 np.int32(count))
                 done += count
             if stop is not None:
                 # Dispatch is asynchronous: wait, so that a signal while the part computes
@@ -143,7 +136,7 @@ class Trainer:
 
     def to_host(self, tree):
         """Numpy copy of a (possibly cross-process sharded) tree, in every process."""
-        return jax.device_get(self._gather(tree))
+        return jax.device_get(self.programs.gather(tree))
 
     def restore(self, run_dir: str, step: int):
         """Checkpoint leaves placed on THIS run's mesh, whatever mesh wrote them [C4]."""
@@ -155,8 +148,9 @@ class Trainer:
         return checkpoint.restore(run_dir, step, shardings=shardings)
 
     def evaluate(self, state: TrainState, step: int) -> dict:
-        fast, alive = self.fast_eval(state, self.target, self.eval_batch, self.eval_labels)
-        onehot = self.one_hot(state, self.target) if self.target.n_features else None
+        fast, alive = self.programs.fast_eval(state, self.target, self.eval_batch,
+                                             self.eval_labels)
+        onehot = self.programs.one_hot(state, self.target) if self.target.n_features else None
         fast, alive, onehot = jax.device_get((fast, alive, onehot))
         out = metrics_lib.to_host(fast)
         check_finite(step, out, ("eval/recon/", "eval/ce/", "eval/kl/", "eval/faithfulness"))
