@@ -2,6 +2,7 @@
 
 from ppgd_tpu import cpu_runtime as _cpu_runtime
 
+_cpu_runtime.skip_tpu_probe()  # the `tpu` extra on a CPU host: compute on CPU, no probe
 _cpu_runtime.add_xla_cpu_flags()  # before JAX creates its backends: same programs everywhere
 
 

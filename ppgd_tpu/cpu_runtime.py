@@ -23,6 +23,7 @@ plugin, where JAX does not compute on CPU.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import sys
@@ -51,13 +52,36 @@ def keep_step_buffers() -> bool:
 ACCELERATOR_PLUGINS = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
 
 
+# Device nodes of a TPU host: /dev/accel* (v2-v4, v5p), /dev/vfio/<n> (v5e, v6e).
+TPU_DEVICE_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*")
+
+
+def tpu_attached() -> bool:
+    return any(glob.glob(p) for p in TPU_DEVICE_NODES)
+
+
+def _plugins() -> list[str]:
+    return [m for m in ACCELERATOR_PLUGINS if importlib.util.find_spec(m)]
+
+
 def computes_on_cpu(env=os.environ) -> bool:
-    """Whether JAX will compute on XLA:CPU: JAX_PLATFORMS says cpu, or no accelerator
-    plugin is installed. (On a TPU/GPU host the flags would not matter, and an older
+    """Whether JAX will compute on XLA:CPU: JAX_PLATFORMS says cpu, no accelerator plugin
+    is installed, or only libtpu is and no TPU is attached (the `tpu` extra on a CPU host,
+    for `ppgd-tpu compile`). (On a TPU/GPU host the flags would not matter, and an older
     plugin's XLA could refuse a flag it does not know.)"""
     if env.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
         return True
-    return not any(importlib.util.find_spec(m) for m in ACCELERATOR_PLUGINS)
+    plugins = _plugins()
+    return not plugins or (plugins == ["libtpu"] and not tpu_attached())
+
+
+def skip_tpu_probe(env=os.environ) -> None:
+    """With libtpu installed on a host without a TPU, JAX would try (and fail) to start a
+    TPU backend in every process, printing libtpu's errors: JAX_PLATFORMS=cpu says where
+    it computes instead. (libtpu's compiler stays usable: `ppgd-tpu compile` asks it for a
+    topology's devices directly.) A JAX_PLATFORMS the user set is kept."""
+    if "JAX_PLATFORMS" not in env and _plugins() == ["libtpu"] and not tpu_attached():
+        env["JAX_PLATFORMS"] = "cpu"
 
 
 def add_xla_cpu_flags(env=os.environ) -> None:

@@ -40,15 +40,40 @@ def test_importing_ppgd_tpu_sets_the_xla_flags_before_jax_starts_and_warns_after
     assert "not applied" in p.stderr
 
 
-def test_no_xla_cpu_flags_where_an_accelerator_plugin_is_installed(tmp_path):
-    """A TPU host (libtpu importable, JAX_PLATFORMS unset) gets no CPU flags; asking for the
-    CPU platform there still gets them."""
-    (tmp_path / "libtpu").mkdir()
+def test_plugins_and_tpu_device_nodes_decide_where_jax_computes(tmp_path, monkeypatch):
+    """No plugin, or libtpu without a TPU attached (the `tpu` extra on a CPU host): CPU, and
+    JAX is told so (no TPU probe); a TPU host or a GPU plugin: not; JAX_PLATFORMS wins."""
+    node = tmp_path / "accel0"
+    monkeypatch.setattr(cpu_runtime, "TPU_DEVICE_NODES", (str(tmp_path / "accel*"),))
+    monkeypatch.setattr(cpu_runtime, "_plugins", lambda: ["libtpu"])
+    env = {}
+    cpu_runtime.skip_tpu_probe(env)
+    assert cpu_runtime.computes_on_cpu({}) and env == {"JAX_PLATFORMS": "cpu"}
+    mine = {"JAX_PLATFORMS": "tpu"}
+    cpu_runtime.skip_tpu_probe(mine)
+    assert mine == {"JAX_PLATFORMS": "tpu"}
+    node.touch()  # a TPU host
+    env = {}
+    cpu_runtime.skip_tpu_probe(env)
+    assert not cpu_runtime.computes_on_cpu({}) and env == {}
+    assert cpu_runtime.computes_on_cpu({"JAX_PLATFORMS": "cpu"})
+    node.unlink()
+    monkeypatch.setattr(cpu_runtime, "_plugins", lambda: ["libtpu", "jax_cuda12_plugin"])
+    assert not cpu_runtime.computes_on_cpu({})
+    monkeypatch.setattr(cpu_runtime, "_plugins", lambda: [])
+    assert cpu_runtime.computes_on_cpu({})
+
+
+def test_libtpu_on_a_host_without_a_tpu_computes_on_cpu_with_the_cpu_flags(tmp_path):
+    """The `tpu` extra installed here must not change training: JAX is not sent probing
+    for a TPU (no libtpu errors), and the programs get the same XLA:CPU flags."""
+    (tmp_path / "libtpu").mkdir()  # importable, as the real one is where the extra is
     (tmp_path / "libtpu" / "__init__.py").write_text("")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
-    code = "import ppgd_tpu, os; print(os.environ.get('XLA_FLAGS', '-'))"
-    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True,
-                                   text=True, check=True).stdout.strip()
-    assert run(env) == "-"
-    assert run({**env, "JAX_PLATFORMS": "cpu"}) == " ".join(cpu_runtime.XLA_CPU_FLAGS)
+    code = ("import ppgd_tpu, os, jax; print(os.environ['JAX_PLATFORMS'], "
+            "jax.devices()[0].platform, os.environ['XLA_FLAGS'])")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True)
+    assert p.stdout.split() == ["cpu", "cpu", *cpu_runtime.XLA_CPU_FLAGS]
+    assert "TPU" not in p.stderr and "libtpu" not in p.stderr, p.stderr
