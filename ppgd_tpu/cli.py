@@ -33,6 +33,8 @@ commands:
   pretrain  train a toy target, or an LM on a token store (--store); save safetensors
   bench     benchmarks: `bench step --config ...`
   shardings print where every leaf of a run lives on the mesh (`--devices N --processes P`)
+  compile   compile a run's steps for a TPU pod from any machine: memory, FLOPs, roofline
+            (`--topology v4-32`; needs libtpu: pip install -e '.[tpu]')
   tokenize  pack documents into a token store
   ckpt      checkpoint tools: ls | digest | verify
   launch-local  run N local processes of a ppgd-tpu command
@@ -337,6 +339,15 @@ def cmd_shardings(args: list[str]) -> int:
     return 0
 
 
+def cmd_compile(args: list[str]) -> int:
+    # compile-only: the topology's devices come from libtpu's compiler; JAX itself computes
+    # nothing, so on a TPU VM it must not take the chips (a training job may hold them)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from ppgd_tpu import aot
+
+    return aot.main(args)
+
+
 # Commands implemented by other modules as `main(argv) -> int`.
 DELEGATED = {
     "tokenize": "ppgd_tpu.data.tokenize",
@@ -344,9 +355,9 @@ DELEGATED = {
     "launch-local": "ppgd_tpu.launch_local",
 }
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "pretrain": cmd_pretrain, "bench": cmd_bench,
-            "shardings": cmd_shardings}
+            "shardings": cmd_shardings, "compile": cmd_compile}
 # One process writes these commands' files: N processes would each write the same ones.
-ONE_PROCESS = ("pretrain", "tokenize")
+ONE_PROCESS = ("pretrain", "tokenize", "compile")
 
 
 def _argparse_help(args: list[str]) -> list[str]:

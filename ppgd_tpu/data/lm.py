@@ -132,3 +132,13 @@ def batch_shape(cfg: Config, target) -> tuple[int, ...]:
 
 def batch_dtype(target):
     return jax.numpy.float32 if target.n_features is not None else jax.numpy.int32
+
+
+def batch_structs(cfg: Config, target):
+    """(training batch, eval batch, eval labels or None) as ShapeDtypeStructs, from the
+    config alone (no store opened): what `ppgd-tpu compile` builds a run's programs for."""
+    train = batch_shape(cfg, target)
+    dtype = batch_dtype(target)
+    eval_ = (cfg.eval.batch_size, *train[1:])
+    labels = None if target.n_features is not None else jax.ShapeDtypeStruct(eval_, dtype)
+    return (jax.ShapeDtypeStruct(train, dtype), jax.ShapeDtypeStruct(eval_, dtype), labels)

@@ -1,0 +1,195 @@
+"""Reading a compiled (optimised, SPMD-partitioned) HLO module's text: per-device matmul
+FLOPs and collectives counted with loop trip counts, and the parameters aliased to outputs.
+
+XLA's `cost_analysis()` counts a while loop's body once, not once per iteration, so a scan
+over a transformer's blocks is undercounted by its length (TPU_AOT_TRIAL.md). Here every
+computation gets a multiplier: how often one call of the entry computation runs it (a
+while body: its caller's multiplier times the loop's trip count, XLA's `known_trip_count`
+or the bound N of a scan's condition `i < N`; a fusion, call or branch: its caller's). A conditional counts every branch (an upper bound).
+
+- `dot_flops`: 2 x output elements x contracted size of every `dot` and `convolution`
+  (TPU emits matmuls as convolutions; the contracted size is the kernel's input-feature
+  dims times the window positions an output reads), per device.
+- `collectives`: per kind (all-gather, all-reduce, reduce-scatter, all-to-all,
+  collective-permute), executions and bytes of their results, per device (an async
+  collective's copies, one channel id, count once).
+- `aliased_parameters`: the entry parameters the module's `input_output_alias` reuses
+  for an output (donation that took effect).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
+
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
+                "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+                "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_CALLEES = re.compile(r"\b(calls|to_apply|body|condition|true_computation|"
+                      r"false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+               "collective-permute")
+
+
+class Instr(NamedTuple):
+    name: str
+    shape: str  # the result's shape text
+    opcode: str
+    rest: str  # operands and attributes
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array in a shape text (one, or a tuple's)."""
+    return [(t, tuple(int(d) for d in dims.split(",") if d))
+            for t, dims in _ARRAY.findall(re.sub(r"\{[^{}]*\}", "", shape))
+            if t in _DTYPE_BYTES]
+
+
+def nbytes(shape: str) -> float:
+    return sum(_DTYPE_BYTES[t] * math.prod(d) for t, d in arrays(shape))
+
+
+class Module:
+    """The computations of an HLO module text, each a list of instructions."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.computations: dict[str, list[Instr]] = {}
+        self.entry = ""
+        current = None
+        for line in text.splitlines():
+            if current is None:
+                m = _HEADER.match(line)
+                if m and "=" not in line.split("(")[0]:
+                    current = m.group(2)
+                    self.computations[current] = []
+                    if m.group(1):
+                        self.entry = current
+            elif line.startswith("}"):
+                current = None
+            elif m := _INSTR.match(line):
+                self.computations[current].append(Instr(*m.groups()))
+
+    def multipliers(self) -> dict[str, int]:
+        """{computation: executions per call of the entry computation}."""
+        calls: dict[str, list[tuple[str, int]]] = {}
+        for comp, instrs in self.computations.items():
+            for ins in instrs:
+                trip = self._trip_count(ins) if ins.opcode == "while" else 1
+                for kind, callee in _CALLEES.findall(ins.rest):
+                    n = trip if kind == "body" else trip + 1 if kind == "condition" else 1
+                    calls.setdefault(comp, []).append((callee, n))
+                for m in _BRANCHES.finditer(ins.rest):
+                    for callee in re.findall(r"%?([\w.\-]+)", m.group(1)):
+                        calls.setdefault(comp, []).append((callee, 1))
+        mult: dict[str, int] = {}
+
+        def visit(comp: str, m: int, depth: int = 0) -> None:
+            if depth > 64 or comp not in self.computations:
+                return
+            mult[comp] = mult.get(comp, 0) + m
+            for callee, n in calls.get(comp, ()):
+                visit(callee, m * n, depth + 1)
+
+        visit(self.entry, 1)
+        return mult
+
+    def _trip_count(self, ins: Instr) -> int:
+        """A while loop's iterations: XLA's `known_trip_count`, else the bound of its
+        condition `i < N` (a scan's, counting from 0); 1 when neither can be read."""
+        m = _TRIP.search(ins.rest)
+        if m:
+            return int(m.group(1))
+        cond = re.search(r"condition=%?([\w.\-]+)", ins.rest)
+        instrs = self.computations.get(cond.group(1), []) if cond else []
+        consts = {i.name: int(v.group(1)) for i in instrs if i.opcode == "constant"
+                  and (v := re.match(r"(-?\d+)\)", i.rest))}
+        for i in instrs:
+            if i.opcode == "compare" and "direction=LT" in i.rest:
+                operands = re.findall(r"%([\w.\-]+)", i.rest.split(")", 1)[0])
+                bounds = [consts[o] for o in operands[1:] if o in consts]
+                if bounds and bounds[0] > 0:
+                    return bounds[0]
+        return 1
+
+    def _shapes(self, comp: str) -> dict[str, str]:
+        return {i.name: i.shape for i in self.computations[comp]}
+
+    def dot_flops(self) -> float:
+        """Per-device matmul FLOPs of one call, loops counted by their trip counts."""
+        total = 0.0
+        for comp, m in self.multipliers().items():
+            shapes = None
+            for ins in self.computations[comp]:
+                if ins.opcode not in ("dot", "convolution"):
+                    continue
+                shapes = shapes or self._shapes(comp)
+                out = arrays(ins.shape)
+                operands = re.findall(r"%([\w.\-]+)", ins.rest.split(")", 1)[0])
+                if not out or len(operands) < 2:
+                    continue
+                lhs, rhs = (arrays(shapes.get(o, ""))[:1] for o in operands[:2])
+                total += m * 2 * math.prod(out[0][1]) * _contracted(ins, lhs, rhs)
+        return total
+
+    def collectives(self) -> dict[str, dict[str, float]]:
+        """{kind: {"count": executions, "bytes": result bytes}} per device, per call."""
+        seen: dict[tuple, tuple[str, int, float]] = {}
+        for comp, m in self.multipliers().items():
+            for i, ins in enumerate(self.computations[comp]):
+                kind = ins.opcode.removesuffix("-start")
+                if kind not in COLLECTIVES:
+                    continue
+                # an async collective's start and done each hold a copy: one channel
+                channel = re.search(r"channel_id=(\d+)", ins.rest)
+                key = ("channel", channel.group(1)) if channel else (comp, i)
+                if key not in seen or seen[key][1] < m:
+                    seen[key] = (kind, m, nbytes(ins.shape))
+        out = {k: {"count": 0, "bytes": 0.0} for k in COLLECTIVES}
+        for kind, m, size in seen.values():
+            out[kind]["count"] += m
+            out[kind]["bytes"] += m * size
+        return out
+
+    def aliased_parameters(self) -> set[int]:
+        """Entry parameter numbers that `input_output_alias` gives to an output."""
+        start = self.text.find("input_output_alias={")
+        if start < 0:
+            return set()
+        depth, i = 0, start + len("input_output_alias=")
+        for i in range(i, len(self.text)):  # to the matching brace
+            depth += {"{": 1, "}": -1}.get(self.text[i], 0)
+            if depth == 0:
+                break
+        return {int(p) for p in re.findall(r":\s*\((\d+),", self.text[start:i])}
+
+
+def _contracted(ins: Instr, lhs, rhs) -> int:
+    """The contracted size of a dot or convolution (1 when it cannot be read)."""
+    if ins.opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest)
+        if not m or not lhs:
+            return 1
+        dims = lhs[0][1]
+        return math.prod(dims[int(d)] for d in m.group(1).split(",") if d)
+    m = re.search(r"dim_labels=\w*_(\w+)->", ins.rest)
+    if not m or not rhs:
+        return 1
+    labels, dims = m.group(1), rhs[0][1]
+    if len(labels) != len(dims):
+        return 1
+    taps = 1  # window positions one output reads: TPU's batched matmuls put their batch
+    window = re.search(r"window=\{([^}]*)\}", ins.rest)  # dims in a window of size s
+    if window:  # dilated by s (one real tap each): ceil(size / lhs_dilate) per dim
+        size = re.search(r"size=([\dx]+)", window.group(1))
+        dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
+        sizes = [int(v) for v in size.group(1).split("x")] if size else []
+        dilates = [int(v) for v in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
+        taps = math.prod(-(-s // d) for s, d in zip(sizes, dilates))
+    return taps * math.prod(d for c, d in zip(labels, dims) if c == "i")
