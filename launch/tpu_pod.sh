@@ -45,10 +45,13 @@ BACKOFF_MAX_S=${TPU_POD_BACKOFF_MAX_S:-900}    # watch: delay cap
 POLL_S=${TPU_POD_POLL_S:-20}                   # create/watch: seconds between state polls
 READY_TIMEOUT_S=${TPU_POD_READY_TIMEOUT_S:-3600}  # create/watch: give up waiting for READY
 KILL_GRACE_S=${TPU_POD_KILL_GRACE_S:-60}       # stop/preflight: SIGTERM -> SIGKILL delay
+# run/watch: the local `ppgd-tpu` (with libtpu: the `tpu` extra) that compiles the run's
+# config for the pod's accelerator type before the pod is touched
+LOCAL_PPGD_TPU=${TPU_POD_PPGD_TPU:-ppgd-tpu}
 
 # Options (see usage_<subcommand>).
 CMD="" TPU=${TPU_NAME:-} ZONE=${TPU_ZONE:-${CLOUDSDK_COMPUTE_ZONE:-}} PROJECT=${TPU_PROJECT:-}
-DRY_RUN=0 ACCEL="" RUNTIME=tpu-ubuntu2204-base CAPACITY="" QUEUED=0
+DRY_RUN=0 COMPILE_CHECK=1 ACCEL="" RUNTIME=tpu-ubuntu2204-base CAPACITY="" QUEUED=0
 PACKAGE="" GIT_REF="" GIT_URL="" PYTHON=3.12 RUN_DIR="" PORT=8476 LOG_ROOT="" MAX_RETRIES=5
 WORKER=0 FOLLOW=0 LINES=100
 EXTRA_ENV=() TRAIN_ARGS=() SSH_NET=()  # SSH_NET: --internal-ip / --tunnel-through-iap
@@ -112,8 +115,13 @@ EOF
 usage_run() {
   cat <<EOF
 usage: $PROG run --tpu NAME --zone ZONE --run_dir gs://B/R [--coordinator-port P]
-                 [--env KEY=VALUE]... [--log-dir DIR] [--dry-run] -- <ppgd-tpu train args>
-Runs 'ppgd-tpu train --run_dir R <args>' on ALL workers at once (never a subset: a
+                 [--env KEY=VALUE]... [--log-dir DIR] [--accelerator-type TYPE]
+                 [--no-compile-check] [--dry-run] -- <ppgd-tpu train args>
+First, here, 'ppgd-tpu compile --topology TYPE <train args>' compiles every step of the run
+for the pod's accelerator type (TYPE, or the pod's own, read from its describe) and stops
+the launch, before anything on the pod is touched, when one does not compile or fit its
+HBM (this machine needs the package with its [tpu] extra: libtpu compiles without a TPU).
+Then it runs 'ppgd-tpu train --run_dir R <args>' on ALL workers at once (never a subset: a
 multi-host JAX job on part of a pod hangs at start-up). Before starting it checks the pod is
 READY, then on every worker stops stale ppgd-tpu train processes, kills whatever holds the
 TPU device and removes $LIBTPU_LOCKFILE; it refuses to start unless every worker passed.
@@ -124,6 +132,8 @@ with its code. Worker output goes to DIR/<stamp>/worker-I.log (DIR default
   --run_dir gs://B/R      required, passed to train as --run_dir: on GCS (shared by all hosts)
   --coordinator-port P    exported as PPGD_COORDINATOR_PORT (default $PORT)
   --env KEY=VALUE         extra environment for train (repeatable)
+  --accelerator-type TYPE the pod's type for the compile check (default: describe's)
+  --no-compile-check      skip the local compile check (e.g. no libtpu here)
 EOF
 }
 
@@ -153,6 +163,8 @@ usage_watch() {
 usage: $PROG watch --tpu NAME --zone ZONE --run_dir gs://B/R --accelerator-type TYPE
                    [create options] [setup options] [run options] [--max-retries K]
                    -- <ppgd-tpu train args>
+First, once, the compile check of 'run' for TYPE (--no-compile-check skips it): a run that
+does not compile or fit ends the watch before any pod is created or changed.
 Requeue loop. Each attempt: if the pod is missing it is created and set up; if it was
 preempted (or is otherwise dead) it is deleted, recreated and set up; then 'run' with the
 same arguments, which resumes from RUN_DIR. A failed attempt is retried after a backoff of
@@ -183,6 +195,7 @@ parse_opts() {
       -h|--help) "usage_$CMD"; exit 0 ;;
       --) only_for run watch; shift; TRAIN_ARGS=("$@"); return ;;
       --dry-run) DRY_RUN=1; shift; continue ;;
+      --no-compile-check) only_for run watch; COMPILE_CHECK=0; shift; continue ;;
       --spot|--preemptible) only_for create watch; CAPACITY=$OPT; shift; continue ;;
       --queued) only_for create watch; QUEUED=1; shift; continue ;;
       --follow) only_for logs; FOLLOW=1; shift; continue ;;
@@ -195,7 +208,7 @@ parse_opts() {
       --tpu) TPU=$val ;;
       --zone) ZONE=$val ;;
       --project) PROJECT=$val ;;
-      --accelerator-type) only_for create watch; ACCEL=$val ;;
+      --accelerator-type) only_for create run watch; ACCEL=$val ;;
       --runtime-version) only_for create watch; RUNTIME=$val ;;
       --package) only_for setup watch; PACKAGE=$val ;;
       --git-ref) only_for setup watch; GIT_REF=$val ;;
@@ -596,8 +609,26 @@ run_attempt() {  # run_attempt DIR REL
   return "$rc"
 }
 
+# Compiles the run's config for the pod's accelerator type here, before the pod is touched:
+# a config that does not compile or fit the chips' HBM fails in minutes, on this machine.
+compile_check() {
+  ((COMPILE_CHECK)) || { note "compile check skipped (--no-compile-check)"; return 0; }
+  if [[ -z $ACCEL ]]; then
+    ACCEL=$(describe tpu-vm acceleratorType)
+    [[ $ACCEL != NOT_FOUND && $ACCEL != UNKNOWN ]] || die "TPU $TPU does not exist, so its accelerator type is unknown; give --accelerator-type TYPE (or --no-compile-check)"
+  fi
+  local cmd; read -ra cmd <<<"$LOCAL_PPGD_TPU"
+  command -v "${cmd[0]}" >/dev/null || die "the compile check runs '$LOCAL_PPGD_TPU compile' here, which is not installed (pip install -e '.[tpu]'); or give --no-compile-check"
+  cmd+=(compile --topology "$ACCEL" ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"})
+  note "compile check: $(shquote "${cmd[@]}")"
+  local rc=0
+  "${cmd[@]}" >&2 || rc=$?
+  ((rc == 0)) || die "the compile check failed (exit $rc, above): the run does not compile or fit on $ACCEL; nothing was changed on the pod (skip the check with --no-compile-check)"
+}
+
 cmd_run() {
   ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)) || die "needs bash >= 5.1 for fail-fast waits (this is $BASH_VERSION)"
+  compile_check
   local rel; rel=$(stamp)
   run_attempt "$LOG_ROOT/$rel" "$rel"
 }
@@ -644,6 +675,7 @@ cmd_watch() {
   [[ -n $RUN_DIR ]] || die "--run_dir gs://... is required: every retry resumes from it"
   [[ -n $ACCEL ]] || die "--accelerator-type TYPE is required: it is used to recreate a preempted pod"
   resolve_package
+  compile_check
   local rel attempt rc action status wait_s failures=0 step_before step_after
   rel=watch-$(stamp)
   if ((DRY_RUN)); then

@@ -176,6 +176,13 @@ def test_run_issues_exact_commands_on_every_worker_and_passes_args_unchanged(tmp
         " >/dev/null || break; sleep 1; done; sudo pkill -KILL -f '[/]ppgd-tpu train'; true;"
         " sudo lsof -t -w /dev/accel* /dev/vfio/* 2>/dev/null | xargs -r sudo kill -9;"
         " sudo rm -f /tmp/libtpu_lockfile; rm -f \"$HOME/ppgd_tpu\"/attempt-*; echo ppgd-preflight-ok")
+    # First the compile check, here: the pod's type from a describe, then the local
+    # `ppgd-tpu compile` of the same train args, before anything else touches the pod.
+    assert r.calls[0] == ["compute", "tpus", "tpu-vm", "describe", "pod", *SCOPE,
+                          "--format=value(acceleratorType)"]
+    assert [json.loads(x) for x in read_lines(r.state / "local.jsonl")] == [
+        ["compile", "--topology", "v4-32", *TRAIN_ARGS]]
+    del r.calls[0]
     stamp = r.calls[9][-1].split("/")[-2]
     train = (
         f'set -o pipefail; d="$HOME/ppgd_tpu"; a="$d/attempt-{stamp}"; mkdir -p "$d" || exit; '
@@ -565,3 +572,38 @@ def test_status_logs_and_stop(tmp_path):
     stop = Launch(tmp_path, ["stop", *BASE], {"workers": 2})
     assert stop.rc == 0 and len(stop.ssh("all")) == 1 and "sudo pkill -TERM" in stop.ssh("all")[0]
     assert sorted(x["worker"] for x in stop.remote if x["argv"][:2] == ["pkill", "-TERM"]) == [0, 1]
+
+
+# ------------------------------------------------------------------------- compile check
+
+def test_a_failed_compile_check_stops_run_and_watch_before_the_pod_is_touched(tmp_path):
+    """`ppgd-tpu compile` (here the fake's exit 1: tests/test_compile.py runs the real one)
+    failing ends `run` before its ssh and `watch` before it creates the missing pod."""
+    (tmp_path / "run").mkdir()
+    r = Launch(tmp_path / "run", ["run", *BASE, "--run_dir", "gs://b/r", "--", "--x=1"],
+               {"compile": 1})
+    assert r.rc == 2 and "the compile check failed (exit 1" in r.err, r.err
+    assert "nothing was changed on the pod" in r.err and r.ssh() == []
+    assert all(c[3] == "describe" for c in r.calls)
+    (tmp_path / "watch").mkdir()
+    w = Launch(tmp_path / "watch", ["watch", *BASE, "--run_dir", "gs://b/r", "--accelerator-type",
+                                    "v5litepod-16", "--package", str(wheel(tmp_path)), "--",
+                                    "--x=1"], {"state": "NOT_FOUND", "compile": 1})
+    assert w.rc == 2 and "does not compile or fit on v5litepod-16" in w.err, w.err
+    assert w.calls == [] and [json.loads(x) for x in read_lines(w.state / "local.jsonl")] == [
+        ["compile", "--topology", "v5litepod-16", "--x=1"]]
+
+
+def test_the_compile_check_is_shown_by_dry_run_and_skipped_on_request(tmp_path):
+    (tmp_path / "dry").mkdir()
+    dry = Launch(tmp_path / "dry", ["run", "--dry-run", *BASE, "--run_dir", "gs://b/r",
+                                    "--accelerator-type", "v4-32", "--", "--x=1"])
+    assert dry.rc == 0, dry.err
+    assert "compile check: ppgd-tpu compile --topology v4-32 --x=1" in dry.err
+    assert "fake ppgd-tpu compile --topology: exit 0" in dry.err  # it really ran
+    (tmp_path / "skip").mkdir()
+    skip = Launch(tmp_path / "skip", ["run", *BASE, "--run_dir", "gs://b/r",
+                                      "--no-compile-check", "--", "--x=1"], {"compile": 1})
+    assert skip.rc == 0 and "compile check skipped" in skip.err, skip.err
+    assert read_lines(skip.state / "local.jsonl") == []
+    assert not any("acceleratorType" in c[-1] for c in skip.calls)
