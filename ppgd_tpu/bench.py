@@ -4,7 +4,11 @@
   steady-state step time (median of individually timed steps), the loop's step time (steps
   dispatched back to back, as the engine runs them), device-only step time (the same
   steps inside one jitted fori_loop), host overhead share = 1 - device_only / loop,
-  steps/s and peak RSS; where the step runs its recon on the live rows only
+  steps/s and peak RSS; XLA's static FLOP count of the compiled step (`xla_gflop`; a
+  live-rows step counts as its every-row fallback, so its rate reads high) and the rate the
+  median step runs it at (`achieved_gflop_per_s`), beside a 2048^3 fp32 matmul's rate
+  measured in the same process (`matmul_2048_gflop_per_s`); where the step runs its recon on
+  the live rows only
   (decomp/live_rows.py), that step vs the same step on every row, paired;
   with persistent-PGD terms, the step vs the same step without them, paired (without a
   live-rows switch also XLA's FLOP count of each, and the rate the terms' added FLOPs run
@@ -17,7 +21,8 @@
 - `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
   a subprocess, plus its peak RSS; a first run (empty compile cache) or a repeat run.
 - `replay`: the full step vs the repeat step (their ratio), and the per-step time of whole
-  replay windows in each CI-update mode relative to `every`.
+  replay windows in each CI-update mode relative to `every`, the modes' windows interleaved
+  round-robin (ratios paired in time), with `first`'s ideal window ratio beside it.
 - `ckpt`: per checkpoint, the time the loop blocks, the background write + commit time, the
   bytes written, and how many of them are replay-window state.
 - `step` also splits the step between the CI fn and the rest (any target): the full
@@ -168,8 +173,11 @@ def bench_step(args: list[str]) -> int:
         "steps_per_s": 1.0 / loop_s,
         "peak_rss_mb": _peak_rss_mb(),
     }
+    # after the RSS sample: the FLOP count compiles the step once more
+    report.update(step_rate(trainer, state, float(np.median(single))))
     # the A/Bs and the profile before the split, which donates `state`
-    live_rows, ppgd = live_rows_ab(trainer, state, n), persistent_pgd_ab(trainer, state, n)
+    live_rows = live_rows_ab(trainer, state, n)
+    ppgd = persistent_pgd_ab(trainer, state, n, report["matmul_2048_gflop_per_s"])
     ops = op_profile(trainer, state, n, extra["profile"]) if extra["profile"] else []
     report.update(ci_fn_split(trainer, state, n))  # toys too: where the CI fn's time goes
     report.update(live_rows)
@@ -308,12 +316,24 @@ def live_rows_ab(trainer, state, n: int) -> dict:
             **_ab_report(times, "live_rows", "all_rows", "live_rows_ratio")}
 
 
-def persistent_pgd_ab(trainer, state, n: int) -> dict:
+def step_rate(trainer, state, step_s: float) -> dict:
+    """XLA's static FLOP count of one full step as the loop compiles it (`xla_gflop`), the
+    rate a step of `step_s` seconds runs it at (`achieved_gflop_per_s` = xla_gflop /
+    step_s), and a 2048^3 fp32 matmul's rate now (`matmul_2048_gflop_per_s`): the rate this
+    machine reaches on the most favourable work. A live-rows step counts as its every-row
+    fallback (`_xla_gflop`): there the achieved rate is an upper bound."""
+    compiled = trainer.replay.full.lower(state, trainer.target, trainer.batch(0)).compile()
+    gflop = _xla_gflop(compiled)
+    return {"xla_gflop": gflop, "achieved_gflop_per_s": gflop / step_s,
+            "matmul_2048_gflop_per_s": matmul_rate(2048)}
+
+
+def persistent_pgd_ab(trainer, state, n: int, matmul_gflop_per_s: float) -> dict:
     """With persistent-PGD terms: the step vs the same step without them (nor their
     adversaries), paired as in `live_rows_ab`: `persistent_pgd_ratio` is what the terms
     cost. Without a live-rows switch also XLA's FLOP count of each and the rate the terms'
-    added FLOPs run at: how far the ratio could fall by running them faster. Empty without
-    such terms."""
+    added FLOPs run at (beside `matmul_gflop_per_s`, the caller's 2048^3 matmul rate): how
+    far the ratio could fall by running them faster. Empty without such terms."""
     from ppgd_tpu.step import Decomposer
 
     cfg = trainer.cfg
@@ -331,7 +351,6 @@ def persistent_pgd_ab(trainer, state, n: int) -> dict:
     added_s = 1e-3 * (report["with_ppgd_step_ms"] - report["without_ppgd_step_ms"])
     if added_s > 0:  # the rate the terms' own work runs at, against the best matmul rate
         report["ppgd_added_gflop_per_s"] = (gflop["with_ppgd"] - gflop["without_ppgd"]) / added_s
-        report["matmul_2048_gflop_per_s"] = matmul_rate(2048)
     return report
 
 

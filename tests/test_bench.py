@@ -52,10 +52,15 @@ def test_bench_step_reports_step_time_and_host_overhead(capsys):
     r = _floats(report, (
         "compile_s", "step_median_ms", "step_p90_ms", "loop_step_ms", "device_only_step_ms",
         "host_overhead_share", "steps_per_s", "peak_rss_mb", "full_step_ms", "repeat_step_ms",
-        "ci_fn_ms", "ci_fn_share", "state_mb_per_device", "state_mb_total"))
+        "ci_fn_ms", "ci_fn_share", "state_mb_per_device", "state_mb_total", "xla_gflop",
+        "achieved_gflop_per_s", "matmul_2048_gflop_per_s"))
     for key in ("compile_s", "step_median_ms", "loop_step_ms", "device_only_step_ms",
-                "steps_per_s", "peak_rss_mb", "full_step_ms", "repeat_step_ms"):
+                "steps_per_s", "peak_rss_mb", "full_step_ms", "repeat_step_ms", "xla_gflop",
+                "achieved_gflop_per_s", "matmul_2048_gflop_per_s"):
         assert r[key] > 0, key
+    # the step's XLA FLOP count run at the median step time
+    assert r["achieved_gflop_per_s"] * r["step_median_ms"] == pytest.approx(
+        1e3 * r["xla_gflop"], rel=2 * PRINTED)
     assert r["step_p90_ms"] >= r["step_median_ms"]  # two percentiles of the same steps
     # steps/s is the back-to-back loop's rate: 1 / loop_step
     assert r["steps_per_s"] * r["loop_step_ms"] == pytest.approx(1e3, rel=PRINTED)
