@@ -403,9 +403,67 @@ def _window(text: str) -> int:
     return k
 
 
+def _rotating_rounds(runs: dict, rounds: int) -> tuple[dict[str, list[float]], int]:
+    """Seconds of each {name: run(w)} in each of `rounds` rounds, after one untimed round
+    (w = 0: it compiles what each run uses). Round r runs every name once, on w = r + 1, in
+    the names' order rotated by r, so a load change within a round moves every name alike
+    and each name takes each place in turn; each run must block until its work is done.
+    -> ({name: [s per round]}, programs compiled or loaded from a compile cache during the
+    timed rounds: 0 unless a run compiles past its first call)."""
+    names = list(runs)
+    for name in names:
+        runs[name](0)
+    times = {name: [] for name in names}
+    with CompileCount() as compiles:
+        for r in range(rounds):
+            j = r % len(names)
+            for name in names[j:] + names[:j]:
+                t = time.perf_counter()
+                runs[name](r + 1)
+                times[name].append(time.perf_counter() - t)
+    return times, compiles.n
+
+
+class CompileCount:
+    """Counts, while entered, the programs JAX compiles or loads from a compile cache."""
+
+    def __enter__(self):
+        self.n = 0
+        jax.monitoring.register_event_duration_secs_listener(self._count)
+        return self
+
+    def _count(self, event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.n += 1
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._count)
+
+
+REPLAY_MODES = ("every", "first", "last", "mean")
+
+
 def bench_replay(args: list[str]) -> int:
-    """Replay A/B in one process: the full vs the repeat step, and the per-step time of whole
-    windows of k steps in every mode relative to `every` (compiles excluded)."""
+    """Replay A/B in one process, compiles excluded.
+
+    - `full_step_ms`, `repeat_step_ms`, `repeat_over_full` (and the CI fn's share): the full
+      vs the repeat step on one batch, `ci_fn_split`.
+    - `window_step_ms/<mode>`: the per-step time of a whole window of k steps in each
+      CI-update mode, each mode on its own copy of the state (its variants donate it). The
+      modes run interleaved: `rounds` rounds, each one window of every mode in an order that
+      rotates per round (`_rotating_rounds`), after one untimed window of each that
+      compiles every variant the mode uses. Each is the median over rounds;
+      `window_step_vs_every/<mode>` is the median of the per-round ratios to `every`'s
+      window of the same round (paired in time).
+    - `step_ms/first_full`, `step_ms/first_repeat`: `first`'s own variants alone, the
+      full step that keeps its envelope and the repeat step on it, each timed as k steps
+      back to back in the same rounds; `window_step_ideal/first` = (1 + (k-1) repeat / full)
+      / k, the median of its per-round values: the window ratio `first` would reach if its
+      window cost one of its full steps plus k-1 repeats and `every`'s step cost as much as
+      that full step. Measured above ideal: the window costs more than its steps alone, or
+      `first`'s full step more than `every`'s.
+    - `compiles_while_timed`: programs compiled (or loaded from the compile cache) during
+      the timed rounds; 0 unless a variant recompiles past its first window."""
     from ppgd_tpu import config as config_lib
     from ppgd_tpu.engine import Trainer
     from ppgd_tpu.replay import ReplayController
@@ -413,8 +471,9 @@ def bench_replay(args: list[str]) -> int:
 
     cfg, extra = cli.parse_config_args(args, {
         "k": ("4", "replay window length (>= 2: a window of 1 replays nothing)", _window),
-        "windows": ("3", "timed windows per mode", cli.count)})
-    k, windows = extra["k"], extra["windows"]
+        "rounds": ("5", "timed rounds, each one window of every mode, interleaved",
+                   cli.count)})
+    k, rounds = extra["k"], extra["rounds"]
 
     def with_mode(mode):
         return config_lib.with_overrides(cfg, {
@@ -428,22 +487,51 @@ def bench_replay(args: list[str]) -> int:
     report = {"config": cfg.name, "k": k, **ci_fn_split(trainer, jax.tree.map(jnp.copy, state), 5)}
     report["repeat_over_full"] = report["repeat_step_ms"] / report["full_step_ms"]
     target = trainer.target
-    for mode in ("every", "first", "last", "mean"):
-        ctl = ReplayController(Decomposer(with_mode(mode), target, trainer.data.batch_shape))
-        st = jax.tree.map(jnp.copy, state)  # each mode starts from the same state
+    ctls = {mode: ReplayController(Decomposer(with_mode(mode), target,
+                                              trainer.data.batch_shape))
+            for mode in REPLAY_MODES}
+    # every run starts from the same state, a copy of its own (every variant donates it)
+    states = {name: jax.tree.map(jnp.copy, state)
+              for name in (*REPLAY_MODES, "first_full", "first_repeat")}
+    first = ctls["first"]
+    env = {}  # the envelope `first_repeat` replays, kept by `first_full`'s last step
 
-        def run(steps, st):
-            for s in steps:
-                st, m = ctl.step(s, st, target, trainer.batch(s // k))
-            return jax.block_until_ready((st, m))[0]
+    # each run: window w (global steps w k .. w k + k - 1, data batch w), as the loop runs it
+    def window(mode):
+        def run(w):
+            st = states[mode]
+            for s in range(w * k, w * k + k):
+                st, m = ctls[mode].step(s, st, target, trainer.batch(s // k))
+            states[mode] = jax.block_until_ready((st, m))[0]
+        return run
 
-        st = run(range(k), st)  # the first window compiles every variant the mode uses
-        t = time.perf_counter()
-        run(range(k, k + windows * k), st)
-        report[f"window_step_ms/{mode}"] = 1e3 * (time.perf_counter() - t) / (windows * k)
-    for mode in ("first", "last", "mean"):
-        report[f"window_step_vs_every/{mode}"] = (report[f"window_step_ms/{mode}"]
-                                                  / report["window_step_ms/every"])
+    def first_full(w):
+        st = states["first_full"]
+        for s in range(w * k, w * k + k):
+            st, env["first"], m = first.full_keep(st, target, trainer.batch(s // k))
+        states["first_full"] = jax.block_until_ready((st, env["first"], m))[0]
+
+    def first_repeat(w):
+        st = states["first_repeat"]
+        for s in range(w * k, w * k + k):
+            st, m = first.repeat((target, env["first"]), st, trainer.batch(s // k))
+        states["first_repeat"] = jax.block_until_ready((st, m))[0]
+
+    runs = {mode: window(mode) for mode in REPLAY_MODES}
+    runs.update(first_full=first_full, first_repeat=first_repeat)
+    times, compiles = _rotating_rounds(runs, rounds)
+    per_step = {name: np.array(t) / k for name, t in times.items()}
+    report["rounds"] = rounds
+    for mode in REPLAY_MODES:
+        report[f"window_step_ms/{mode}"] = 1e3 * float(np.median(per_step[mode]))
+    for mode in REPLAY_MODES[1:]:
+        report[f"window_step_vs_every/{mode}"] = float(np.median(per_step[mode]
+                                                                 / per_step["every"]))
+    full, repeat = per_step["first_full"], per_step["first_repeat"]
+    report["step_ms/first_full"] = 1e3 * float(np.median(full))
+    report["step_ms/first_repeat"] = 1e3 * float(np.median(repeat))
+    report["window_step_ideal/first"] = float(np.median((1 + (k - 1) * repeat / full) / k))
+    report["compiles_while_timed"] = compiles
     _print(report)
     return 0
 

@@ -295,3 +295,55 @@ def test_paired_rounds_time_n_steps_in_rounds_of_at_most_20(n, rounds, size):
     jax.effects_barrier()
     assert [len(times["a"]), len(times["b"])] == [rounds, rounds]
     assert len(calls) == 2 * (1 + rounds * size)
+
+
+def test_bench_replay_reports_interleaved_window_ratios_and_firsts_ideal(capsys):
+    """Each mode's per-step window time, its median per-round ratio to `every`, and
+    `first`'s ideal window ratio from its own full and repeat steps; the rounds are all
+    timed after the compiles (no program compiled while timing)."""
+    k = 4
+    assert cli.run(["bench", "replay", *TINY, f"--k={k}", "--rounds=3"]) == 0
+    report = _report(capsys.readouterr().out)
+    assert int(report["k"]) == k and int(report["rounds"]) == 3
+    assert int(report["compiles_while_timed"]) == 0
+    modes = ("every", "first", "last", "mean")
+    r = _floats(report, (*(f"window_step_ms/{m}" for m in modes),
+                         *(f"window_step_vs_every/{m}" for m in modes[1:]),
+                         "step_ms/first_full", "step_ms/first_repeat",
+                         "window_step_ideal/first", "full_step_ms", "repeat_step_ms"))
+    assert all(v > 0 for v in r.values()), r
+    # (1 + (k-1) repeat/full) / k with repeat > 0 is over 1/k; it is at most 1 where the
+    # repeat step is no slower than the full one, whose work (taps, the CI fn's forward and
+    # backward) it skips: at these sizes the CI fn is about half of the step
+    assert 1 / k < r["window_step_ideal/first"] <= 1
+    # --windows is gone: each round is one window of every mode
+    assert cli.run(["bench", "replay", *TINY, "--rounds=0"]) == 2
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_rotating_rounds_interleave_the_runs_in_an_order_rotating_per_round():
+    """One untimed round (window 0: the compiles), then round r runs every name once on
+    window r + 1, starting at the r-th name; a program compiled inside the timed rounds is
+    counted."""
+    from ppgd_tpu import bench
+
+    calls = []
+
+    def run(name, compile_each=False):
+        def f(w):
+            calls.append((name, w))
+            if compile_each:  # a new function each call: a new program each call
+                jax.block_until_ready(jax.jit(lambda x: x + w)(1.0))
+        return f
+
+    times, compiles = bench._rotating_rounds({"a": run("a"), "b": run("b")}, 3)
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("b", 2), ("a", 2),
+                     ("a", 3), ("b", 3)]
+    assert [len(times["a"]), len(times["b"])] == [3, 3] and compiles == 0
+    assert all(t > 0 for t in times["a"] + times["b"])
+    calls.clear()
+    times, compiles = bench._rotating_rounds({"a": run("a"), "b": run("b"),
+                                              "c": run("c", compile_each=True)}, 3)
+    assert [n for n, w in calls if w > 0] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [w for _, w in calls] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert compiles == 3
