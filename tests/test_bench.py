@@ -160,6 +160,19 @@ def test_bench_ckpt_reports_blocking_commit_and_bytes(capsys, tmp_path):
     assert all(d >= b for d, b in zip(on_disk, logical))
 
 
+def test_bench_step_reports_the_lm_steps_flop_count_and_rate(corpus, capsys):
+    """The LM's step (token batches from the host) gets the same FLOP count and rate as the
+    toys, beside the matmul's rate."""
+    assert cli.run(["bench", "step", f"--config={corpus['config']}",
+                    f"--target.path={corpus['target']}", f"--data.store={corpus['store']}",
+                    "--n_steps=3"]) == 0
+    r = _floats(_report(capsys.readouterr().out), (
+        "xla_gflop", "achieved_gflop_per_s", "matmul_2048_gflop_per_s", "step_median_ms"))
+    assert all(v > 0 for v in r.values()), r
+    assert r["achieved_gflop_per_s"] * r["step_median_ms"] == pytest.approx(
+        1e3 * r["xla_gflop"], rel=2 * PRINTED)
+
+
 def test_bench_step_devices_reports_the_lm_state_shrinking_with_fsdp(corpus, capsys):
     """[D1] `bench step --devices 1,4` on the tiny LM: with every weight FSDP-sharded over 4
     devices, the per-device train state is well under the 1-device one (batch-row and
