@@ -4,7 +4,11 @@
   steady-state step time (median of individually timed steps), the loop's step time (steps
   dispatched back to back, as the engine runs them), device-only step time (the same
   steps inside one jitted fori_loop), host overhead share = 1 - device_only / loop,
-  steps/s and peak RSS; where the step runs its recon on the live rows only
+  steps/s and peak RSS; XLA's static FLOP count of the compiled step (`xla_gflop`; a
+  live-rows step counts as its every-row fallback, so its rate reads high) and the rate the
+  median step runs it at (`achieved_gflop_per_s`), beside a 2048^3 fp32 matmul's rate
+  measured in the same process (`matmul_2048_gflop_per_s`); where the step runs its recon on
+  the live rows only
   (decomp/live_rows.py), that step vs the same step on every row, paired;
   with persistent-PGD terms, the step vs the same step without them, paired (without a
   live-rows switch also XLA's FLOP count of each, and the rate the terms' added FLOPs run
@@ -17,7 +21,8 @@
 - `run`: wall time of a whole `ppgd-tpu train` (startup, target, warmup, evals, figures) in
   a subprocess, plus its peak RSS; a first run (empty compile cache) or a repeat run.
 - `replay`: the full step vs the repeat step (their ratio), and the per-step time of whole
-  replay windows in each CI-update mode relative to `every`.
+  replay windows in each CI-update mode relative to `every`, the modes' windows interleaved
+  round-robin (ratios paired in time), with `first`'s ideal window ratio beside it.
 - `ckpt`: per checkpoint, the time the loop blocks, the background write + commit time, the
   bytes written, and how many of them are replay-window state.
 - `step` also splits the step between the CI fn and the rest (any target): the full
@@ -168,8 +173,11 @@ def bench_step(args: list[str]) -> int:
         "steps_per_s": 1.0 / loop_s,
         "peak_rss_mb": _peak_rss_mb(),
     }
+    # after the RSS sample: the FLOP count compiles the step once more
+    report.update(step_rate(trainer, state, float(np.median(single))))
     # the A/Bs and the profile before the split, which donates `state`
-    live_rows, ppgd = live_rows_ab(trainer, state, n), persistent_pgd_ab(trainer, state, n)
+    live_rows = live_rows_ab(trainer, state, n)
+    ppgd = persistent_pgd_ab(trainer, state, n, report["matmul_2048_gflop_per_s"])
     ops = op_profile(trainer, state, n, extra["profile"]) if extra["profile"] else []
     report.update(ci_fn_split(trainer, state, n))  # toys too: where the CI fn's time goes
     report.update(live_rows)
@@ -308,12 +316,24 @@ def live_rows_ab(trainer, state, n: int) -> dict:
             **_ab_report(times, "live_rows", "all_rows", "live_rows_ratio")}
 
 
-def persistent_pgd_ab(trainer, state, n: int) -> dict:
+def step_rate(trainer, state, step_s: float) -> dict:
+    """XLA's static FLOP count of one full step as the loop compiles it (`xla_gflop`), the
+    rate a step of `step_s` seconds runs it at (`achieved_gflop_per_s` = xla_gflop /
+    step_s), and a 2048^3 fp32 matmul's rate now (`matmul_2048_gflop_per_s`): the rate this
+    machine reaches on the most favourable work. A live-rows step counts as its every-row
+    fallback (`_xla_gflop`): there the achieved rate is an upper bound."""
+    compiled = trainer.replay.full.lower(state, trainer.target, trainer.batch(0)).compile()
+    gflop = _xla_gflop(compiled)
+    return {"xla_gflop": gflop, "achieved_gflop_per_s": gflop / step_s,
+            "matmul_2048_gflop_per_s": matmul_rate(2048)}
+
+
+def persistent_pgd_ab(trainer, state, n: int, matmul_gflop_per_s: float) -> dict:
     """With persistent-PGD terms: the step vs the same step without them (nor their
     adversaries), paired as in `live_rows_ab`: `persistent_pgd_ratio` is what the terms
     cost. Without a live-rows switch also XLA's FLOP count of each and the rate the terms'
-    added FLOPs run at: how far the ratio could fall by running them faster. Empty without
-    such terms."""
+    added FLOPs run at (beside `matmul_gflop_per_s`, the caller's 2048^3 matmul rate): how
+    far the ratio could fall by running them faster. Empty without such terms."""
     from ppgd_tpu.step import Decomposer
 
     cfg = trainer.cfg
@@ -331,7 +351,6 @@ def persistent_pgd_ab(trainer, state, n: int) -> dict:
     added_s = 1e-3 * (report["with_ppgd_step_ms"] - report["without_ppgd_step_ms"])
     if added_s > 0:  # the rate the terms' own work runs at, against the best matmul rate
         report["ppgd_added_gflop_per_s"] = (gflop["with_ppgd"] - gflop["without_ppgd"]) / added_s
-        report["matmul_2048_gflop_per_s"] = matmul_rate(2048)
     return report
 
 
@@ -384,9 +403,67 @@ def _window(text: str) -> int:
     return k
 
 
+def _rotating_rounds(runs: dict, rounds: int) -> tuple[dict[str, list[float]], int]:
+    """Seconds of each {name: run(w)} in each of `rounds` rounds, after one untimed round
+    (w = 0: it compiles what each run uses). Round r runs every name once, on w = r + 1, in
+    the names' order rotated by r, so a load change within a round moves every name alike
+    and each name takes each place in turn; each run must block until its work is done.
+    -> ({name: [s per round]}, programs compiled or loaded from a compile cache during the
+    timed rounds: 0 unless a run compiles past its first call)."""
+    names = list(runs)
+    for name in names:
+        runs[name](0)
+    times = {name: [] for name in names}
+    with CompileCount() as compiles:
+        for r in range(rounds):
+            j = r % len(names)
+            for name in names[j:] + names[:j]:
+                t = time.perf_counter()
+                runs[name](r + 1)
+                times[name].append(time.perf_counter() - t)
+    return times, compiles.n
+
+
+class CompileCount:
+    """Counts, while entered, the programs JAX compiles or loads from a compile cache."""
+
+    def __enter__(self):
+        self.n = 0
+        jax.monitoring.register_event_duration_secs_listener(self._count)
+        return self
+
+    def _count(self, event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.n += 1
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._count)
+
+
+REPLAY_MODES = ("every", "first", "last", "mean")
+
+
 def bench_replay(args: list[str]) -> int:
-    """Replay A/B in one process: the full vs the repeat step, and the per-step time of whole
-    windows of k steps in every mode relative to `every` (compiles excluded)."""
+    """Replay A/B in one process, compiles excluded.
+
+    - `full_step_ms`, `repeat_step_ms`, `repeat_over_full` (and the CI fn's share): the full
+      vs the repeat step on one batch, `ci_fn_split`.
+    - `window_step_ms/<mode>`: the per-step time of a whole window of k steps in each
+      CI-update mode, each mode on its own copy of the state (its variants donate it). The
+      modes run interleaved: `rounds` rounds, each one window of every mode in an order that
+      rotates per round (`_rotating_rounds`), after one untimed window of each that
+      compiles every variant the mode uses. Each is the median over rounds;
+      `window_step_vs_every/<mode>` is the median of the per-round ratios to `every`'s
+      window of the same round (paired in time).
+    - `step_ms/first_full`, `step_ms/first_repeat`: `first`'s own variants alone, the
+      full step that keeps its envelope and the repeat step on it, each timed as k steps
+      back to back in the same rounds; `window_step_ideal/first` = (1 + (k-1) repeat / full)
+      / k, the median of its per-round values: the window ratio `first` would reach if its
+      window cost one of its full steps plus k-1 repeats and `every`'s step cost as much as
+      that full step. Measured above ideal: the window costs more than its steps alone, or
+      `first`'s full step more than `every`'s.
+    - `compiles_while_timed`: programs compiled (or loaded from the compile cache) during
+      the timed rounds; 0 unless a variant recompiles past its first window."""
     from ppgd_tpu import config as config_lib
     from ppgd_tpu.engine import Trainer
     from ppgd_tpu.replay import ReplayController
@@ -394,8 +471,9 @@ def bench_replay(args: list[str]) -> int:
 
     cfg, extra = cli.parse_config_args(args, {
         "k": ("4", "replay window length (>= 2: a window of 1 replays nothing)", _window),
-        "windows": ("3", "timed windows per mode", cli.count)})
-    k, windows = extra["k"], extra["windows"]
+        "rounds": ("5", "timed rounds, each one window of every mode, interleaved",
+                   cli.count)})
+    k, rounds = extra["k"], extra["rounds"]
 
     def with_mode(mode):
         return config_lib.with_overrides(cfg, {
@@ -409,22 +487,51 @@ def bench_replay(args: list[str]) -> int:
     report = {"config": cfg.name, "k": k, **ci_fn_split(trainer, jax.tree.map(jnp.copy, state), 5)}
     report["repeat_over_full"] = report["repeat_step_ms"] / report["full_step_ms"]
     target = trainer.target
-    for mode in ("every", "first", "last", "mean"):
-        ctl = ReplayController(Decomposer(with_mode(mode), target, trainer.data.batch_shape))
-        st = jax.tree.map(jnp.copy, state)  # each mode starts from the same state
+    ctls = {mode: ReplayController(Decomposer(with_mode(mode), target,
+                                              trainer.data.batch_shape))
+            for mode in REPLAY_MODES}
+    # every run starts from the same state, a copy of its own (every variant donates it)
+    states = {name: jax.tree.map(jnp.copy, state)
+              for name in (*REPLAY_MODES, "first_full", "first_repeat")}
+    first = ctls["first"]
+    env = {}  # the envelope `first_repeat` replays, kept by `first_full`'s last step
 
-        def run(steps, st):
-            for s in steps:
-                st, m = ctl.step(s, st, target, trainer.batch(s // k))
-            return jax.block_until_ready((st, m))[0]
+    # each run: window w (global steps w k .. w k + k - 1, data batch w), as the loop runs it
+    def window(mode):
+        def run(w):
+            st = states[mode]
+            for s in range(w * k, w * k + k):
+                st, m = ctls[mode].step(s, st, target, trainer.batch(s // k))
+            states[mode] = jax.block_until_ready((st, m))[0]
+        return run
 
-        st = run(range(k), st)  # the first window compiles every variant the mode uses
-        t = time.perf_counter()
-        run(range(k, k + windows * k), st)
-        report[f"window_step_ms/{mode}"] = 1e3 * (time.perf_counter() - t) / (windows * k)
-    for mode in ("first", "last", "mean"):
-        report[f"window_step_vs_every/{mode}"] = (report[f"window_step_ms/{mode}"]
-                                                  / report["window_step_ms/every"])
+    def first_full(w):
+        st = states["first_full"]
+        for s in range(w * k, w * k + k):
+            st, env["first"], m = first.full_keep(st, target, trainer.batch(s // k))
+        states["first_full"] = jax.block_until_ready((st, env["first"], m))[0]
+
+    def first_repeat(w):
+        st = states["first_repeat"]
+        for s in range(w * k, w * k + k):
+            st, m = first.repeat((target, env["first"]), st, trainer.batch(s // k))
+        states["first_repeat"] = jax.block_until_ready((st, m))[0]
+
+    runs = {mode: window(mode) for mode in REPLAY_MODES}
+    runs.update(first_full=first_full, first_repeat=first_repeat)
+    times, compiles = _rotating_rounds(runs, rounds)
+    per_step = {name: np.array(t) / k for name, t in times.items()}
+    report["rounds"] = rounds
+    for mode in REPLAY_MODES:
+        report[f"window_step_ms/{mode}"] = 1e3 * float(np.median(per_step[mode]))
+    for mode in REPLAY_MODES[1:]:
+        report[f"window_step_vs_every/{mode}"] = float(np.median(per_step[mode]
+                                                                 / per_step["every"]))
+    full, repeat = per_step["first_full"], per_step["first_repeat"]
+    report["step_ms/first_full"] = 1e3 * float(np.median(full))
+    report["step_ms/first_repeat"] = 1e3 * float(np.median(repeat))
+    report["window_step_ideal/first"] = float(np.median((1 + (k - 1) * repeat / full) / k))
+    report["compiles_while_timed"] = compiles
     _print(report)
     return 0
 

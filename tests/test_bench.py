@@ -52,10 +52,15 @@ def test_bench_step_reports_step_time_and_host_overhead(capsys):
     r = _floats(report, (
         "compile_s", "step_median_ms", "step_p90_ms", "loop_step_ms", "device_only_step_ms",
         "host_overhead_share", "steps_per_s", "peak_rss_mb", "full_step_ms", "repeat_step_ms",
-        "ci_fn_ms", "ci_fn_share", "state_mb_per_device", "state_mb_total"))
+        "ci_fn_ms", "ci_fn_share", "state_mb_per_device", "state_mb_total", "xla_gflop",
+        "achieved_gflop_per_s", "matmul_2048_gflop_per_s"))
     for key in ("compile_s", "step_median_ms", "loop_step_ms", "device_only_step_ms",
-                "steps_per_s", "peak_rss_mb", "full_step_ms", "repeat_step_ms"):
+                "steps_per_s", "peak_rss_mb", "full_step_ms", "repeat_step_ms", "xla_gflop",
+                "achieved_gflop_per_s", "matmul_2048_gflop_per_s"):
         assert r[key] > 0, key
+    # the step's XLA FLOP count run at the median step time
+    assert r["achieved_gflop_per_s"] * r["step_median_ms"] == pytest.approx(
+        1e3 * r["xla_gflop"], rel=2 * PRINTED)
     assert r["step_p90_ms"] >= r["step_median_ms"]  # two percentiles of the same steps
     # steps/s is the back-to-back loop's rate: 1 / loop_step
     assert r["steps_per_s"] * r["loop_step_ms"] == pytest.approx(1e3, rel=PRINTED)
@@ -153,6 +158,19 @@ def test_bench_ckpt_reports_blocking_commit_and_bytes(capsys, tmp_path):
     assert int(report["window_state_bytes"]) == int(np.median(window)) > 0
     # chunks are stored raw (a bytes codec and a checksum, no compression)
     assert all(d >= b for d, b in zip(on_disk, logical))
+
+
+def test_bench_step_reports_the_lm_steps_flop_count_and_rate(corpus, capsys):
+    """The LM's step (token batches from the host) gets the same FLOP count and rate as the
+    toys, beside the matmul's rate."""
+    assert cli.run(["bench", "step", f"--config={corpus['config']}",
+                    f"--target.path={corpus['target']}", f"--data.store={corpus['store']}",
+                    "--n_steps=3"]) == 0
+    r = _floats(_report(capsys.readouterr().out), (
+        "xla_gflop", "achieved_gflop_per_s", "matmul_2048_gflop_per_s", "step_median_ms"))
+    assert all(v > 0 for v in r.values()), r
+    assert r["achieved_gflop_per_s"] * r["step_median_ms"] == pytest.approx(
+        1e3 * r["xla_gflop"], rel=2 * PRINTED)
 
 
 def test_bench_step_devices_reports_the_lm_state_shrinking_with_fsdp(corpus, capsys):
@@ -290,3 +308,55 @@ def test_paired_rounds_time_n_steps_in_rounds_of_at_most_20(n, rounds, size):
     jax.effects_barrier()
     assert [len(times["a"]), len(times["b"])] == [rounds, rounds]
     assert len(calls) == 2 * (1 + rounds * size)
+
+
+def test_bench_replay_reports_interleaved_window_ratios_and_firsts_ideal(capsys):
+    """Each mode's per-step window time, its median per-round ratio to `every`, and
+    `first`'s ideal window ratio from its own full and repeat steps; the rounds are all
+    timed after the compiles (no program compiled while timing)."""
+    k = 4
+    assert cli.run(["bench", "replay", *TINY, f"--k={k}", "--rounds=3"]) == 0
+    report = _report(capsys.readouterr().out)
+    assert int(report["k"]) == k and int(report["rounds"]) == 3
+    assert int(report["compiles_while_timed"]) == 0
+    modes = ("every", "first", "last", "mean")
+    r = _floats(report, (*(f"window_step_ms/{m}" for m in modes),
+                         *(f"window_step_vs_every/{m}" for m in modes[1:]),
+                         "step_ms/first_full", "step_ms/first_repeat",
+                         "window_step_ideal/first", "full_step_ms", "repeat_step_ms"))
+    assert all(v > 0 for v in r.values()), r
+    # (1 + (k-1) repeat/full) / k with repeat > 0 is over 1/k; it is at most 1 where the
+    # repeat step is no slower than the full one, whose work (taps, the CI fn's forward and
+    # backward) it skips: at these sizes the CI fn is about half of the step
+    assert 1 / k < r["window_step_ideal/first"] <= 1
+    # --windows is gone: each round is one window of every mode
+    assert cli.run(["bench", "replay", *TINY, "--rounds=0"]) == 2
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_rotating_rounds_interleave_the_runs_in_an_order_rotating_per_round():
+    """One untimed round (window 0: the compiles), then round r runs every name once on
+    window r + 1, starting at the r-th name; a program compiled inside the timed rounds is
+    counted."""
+    from ppgd_tpu import bench
+
+    calls = []
+
+    def run(name, compile_each=False):
+        def f(w):
+            calls.append((name, w))
+            if compile_each:  # a new function each call: a new program each call
+                jax.block_until_ready(jax.jit(lambda x: x + w)(1.0))
+        return f
+
+    times, compiles = bench._rotating_rounds({"a": run("a"), "b": run("b")}, 3)
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("b", 2), ("a", 2),
+                     ("a", 3), ("b", 3)]
+    assert [len(times["a"]), len(times["b"])] == [3, 3] and compiles == 0
+    assert all(t > 0 for t in times["a"] + times["b"])
+    calls.clear()
+    times, compiles = bench._rotating_rounds({"a": run("a"), "b": run("b"),
+                                              "c": run("c", compile_each=True)}, 3)
+    assert [n for n, w in calls if w > 0] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [w for _, w in calls] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert compiles == 3
