@@ -10,10 +10,10 @@ step variant the config's replay mode runs (replay.VARIANTS) and the fast eval w
 shardings and donation `train` uses. Each is lowered and compiled by the real TPU compiler.
 
 Per variant it reports: compile time; per-chip memory (arguments, outputs, temporaries,
-aliased, generated code, peak) against the chip's HBM; matmul FLOPs per chip counted from
-the optimised HLO with loop trip counts (hlo.py), XLA's own FLOP and byte counts (a loop
-body counted once: its bytes are scaled by the HLO/XLA FLOP ratio to estimate HBM
-traffic), the roofline lower bound max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth);
+aliased, generated code, peak) against the chip's HBM; matmul FLOPs and HBM bytes per chip
+counted from the optimised HLO with loop trip counts (hlo.py; XLA's own counts, which take a
+loop body once, beside them), the roofline lower bound max(FLOPs / peak bf16 FLOP/s, bytes /
+HBM bandwidth);
 the global FLOPs of the traced program over the chips against the per-chip count
 (`flops_balance`: ~1 when every chip computes its share of the batch, ~1/chips when each
 computes all of it); collectives (count, bytes); and the donation check [W5]: every
@@ -261,7 +261,7 @@ def compile_variant(topo: Topology, name: str, fn, args, state_arg, model_arg) -
     cost = (cost[0] if isinstance(cost, list) else cost) or {}
     flops = module.dot_flops()
     xla_flops, xla_bytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    bytes_est = xla_bytes * max(1.0, flops / xla_flops) if xla_flops else xla_bytes
+    bytes_est = module.bytes_accessed()
     global_flops = _jaxpr_flops(traced.jaxpr.jaxpr)
     hbm = chip.hbm_gib * 2**30
     peak = int(mem.peak_memory_in_bytes)

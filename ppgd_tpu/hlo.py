@@ -13,6 +13,8 @@ or the bound N of a scan's condition `i < N`; a fusion, call or branch: its call
 - `collectives`: per kind (all-gather, all-reduce, reduce-scatter, all-to-all,
   collective-permute), executions and bytes of their results, per device (an async
   collective's copies, one channel id, count once).
+- `bytes_accessed`: HBM bytes read and written by the instructions of the loop bodies and
+  the entry (fusions as units), per device, an estimate.
 - `aliased_parameters`: the entry parameters the module's `input_output_alias` reuses
   for an output (donation that took effect).
 """
@@ -33,6 +35,9 @@ _CALLEES = re.compile(r"\b(calls|to_apply|body|condition|true_computation|"
                       r"false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# ops that move no HBM bytes themselves (their bodies, if any, are counted where they run)
+_FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+         "conditional", "after-all", "partition-id", "replica-id", "opt-barrier")
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                "collective-permute")
 
@@ -78,27 +83,36 @@ class Module:
 
     def multipliers(self) -> dict[str, int]:
         """{computation: executions per call of the entry computation}."""
-        calls: dict[str, list[tuple[str, int]]] = {}
+        return self._walk()[0]
+
+    def _walk(self) -> tuple[dict[str, int], set[str]]:
+        """(multipliers, the control computations: the entry and what loops, calls and
+        conditionals run, whose instructions each read and write HBM; not fusion bodies)."""
+        calls: dict[str, list[tuple[str, int, bool]]] = {}
         for comp, instrs in self.computations.items():
             for ins in instrs:
                 trip = self._trip_count(ins) if ins.opcode == "while" else 1
+                control = ins.opcode in ("while", "call", "conditional")
                 for kind, callee in _CALLEES.findall(ins.rest):
                     n = trip if kind == "body" else trip + 1 if kind == "condition" else 1
-                    calls.setdefault(comp, []).append((callee, n))
+                    calls.setdefault(comp, []).append((callee, n, control))
                 for m in _BRANCHES.finditer(ins.rest):
                     for callee in re.findall(r"%?([\w.\-]+)", m.group(1)):
-                        calls.setdefault(comp, []).append((callee, 1))
+                        calls.setdefault(comp, []).append((callee, 1, True))
         mult: dict[str, int] = {}
+        controls: set[str] = set()
 
-        def visit(comp: str, m: int, depth: int = 0) -> None:
+        def visit(comp: str, m: int, control: bool, depth: int = 0) -> None:
             if depth > 64 or comp not in self.computations:
                 return
             mult[comp] = mult.get(comp, 0) + m
-            for callee, n in calls.get(comp, ()):
-                visit(callee, m * n, depth + 1)
+            if control:
+                controls.add(comp)
+            for callee, n, is_control in calls.get(comp, ()):
+                visit(callee, m * n, control and is_control, depth + 1)
 
-        visit(self.entry, 1)
-        return mult
+        visit(self.entry, 1, True)
+        return mult, controls
 
     def _trip_count(self, ins: Instr) -> int:
         """A while loop's iterations: XLA's `known_trip_count`, else the bound of its
@@ -136,6 +150,23 @@ class Module:
                     continue
                 lhs, rhs = (arrays(shapes.get(o, ""))[:1] for o in operands[:2])
                 total += m * 2 * math.prod(out[0][1]) * _contracted(ins, lhs, rhs)
+        return total
+
+    def bytes_accessed(self) -> float:
+        """Per-device HBM bytes of one call, loops counted by their trip counts: each
+        instruction of a control computation (a fusion counts once, its body stays in
+        registers and VMEM) reads its operands and writes its result. An estimate: an
+        in-place update counts its whole buffer."""
+        mult, controls = self._walk()
+        total = 0.0
+        for comp in controls:
+            shapes = self._shapes(comp)
+            for ins in self.computations[comp]:
+                if ins.opcode in _FREE:
+                    continue
+                operands = re.findall(r"%([\w.\-]+)", ins.rest.split(")", 1)[0])
+                total += mult[comp] * (nbytes(ins.shape)
+                                       + sum(nbytes(shapes.get(o, "")) for o in operands))
         return total
 
     def collectives(self) -> dict[str, dict[str, float]]:
@@ -178,18 +209,24 @@ def _contracted(ins: Instr, lhs, rhs) -> int:
             return 1
         dims = lhs[0][1]
         return math.prod(dims[int(d)] for d in m.group(1).split(",") if d)
-    m = re.search(r"dim_labels=\w*_(\w+)->", ins.rest)
-    if not m or not rhs:
+    m = re.search(r"dim_labels=(\w+)_(\w+)->", ins.rest)
+    if not m or not rhs or not lhs:
         return 1
-    labels, dims = m.group(1), rhs[0][1]
-    if len(labels) != len(dims):
+    (lhs_labels, labels), dims = m.groups(), rhs[0][1]
+    if len(labels) != len(dims) or len(lhs_labels) != len(lhs[0][1]):
         return 1
-    taps = 1  # window positions one output reads: TPU's batched matmuls put their batch
-    window = re.search(r"window=\{([^}]*)\}", ins.rest)  # dims in a window of size s
-    if window:  # dilated by s (one real tap each): ceil(size / lhs_dilate) per dim
+    # Window positions one output reads from real input: TPU puts a batched matmul's batch
+    # dims in a window of size s over an input dilated by s (one real tap), and a split
+    # output dim in a window of size s over an input of size 1 padded around (one real tap).
+    spatial = {c: n for c, n in zip(lhs_labels, lhs[0][1]) if c.isdigit()}
+    window = re.search(r"window=\{([^}]*)\}", ins.rest)
+    taps = 1
+    if window:
         size = re.search(r"size=([\dx]+)", window.group(1))
         dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
         sizes = [int(v) for v in size.group(1).split("x")] if size else []
         dilates = [int(v) for v in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
-        taps = math.prod(-(-s // d) for s, d in zip(sizes, dilates))
+        for d, (w, k) in enumerate(zip(sizes, dilates)):
+            n = spatial.get(str(d), w)
+            taps *= -(-min(w, (n - 1) * k + 1) // k)
     return taps * math.prod(d for c, d in zip(labels, dims) if c == "i")

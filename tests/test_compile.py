@@ -189,6 +189,8 @@ def test_trip_counted_flops_of_a_scan_match_its_size():
                            jax.ShapeDtypeStruct((64, 512), jnp.float32)).compile()
         module = hlo.Module(compiled.as_text())
         assert module.dot_flops() == 3 * 8 * 2 * 64 * 512 * 512 / n, name
+        # each of the 8 iterations reads its block's weights (1 MiB fp32 / n) at least twice
+        assert module.bytes_accessed() >= 8 * 2 * 512 * 512 * 4 / n, name
 
 
 def test_the_pod_launcher_stops_a_run_that_does_not_fit_before_touching_the_pod(tmp_path):
