@@ -262,3 +262,23 @@ def test_inputs_longer_than_max_seq_len_are_refused():
     t = _target()
     with pytest.raises(ValueError, match="max_seq_len 8"):
         t.clean_output(jnp.zeros((1, 9), jnp.int32))
+
+
+def test_gelu_is_jax_gelu_with_the_same_derivative():
+    """The LM's and the CI transformer's GELU: jax.nn.gelu's tanh form bit for bit, and a
+    hand-written derivative as close to the float64 one as autodiff's (both cancel where
+    the tanh saturates; XLA's fp32 tanh leaves ~4e-6 either way)."""
+    x = jnp.linspace(-6.0, 6.0, 10001, dtype=jnp.float32)
+    np.testing.assert_array_equal(lm.gelu(x), jax.nn.gelu(x, approximate=True))
+    np.testing.assert_array_equal(jax.jit(lm.gelu)(x), jax.jit(jax.nn.gelu)(x))
+    mine = jax.vmap(jax.grad(lm.gelu))(x)
+    ref = jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=True)))(x)
+    x64 = np.asarray(x, np.float64)
+    t = np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3))
+    exact = 0.5 * (1 + t) + 0.5 * x64 * (1 - t * t) * np.sqrt(2 / np.pi) * (
+        1 + 3 * 0.044715 * x64 ** 2)
+    err_mine, err_ref = np.abs(mine - exact).max(), np.abs(ref - exact).max()
+    assert err_mine < 1e-5 and err_mine <= 1.5 * err_ref + 1e-7, (err_mine, err_ref)
+    y, dy = jax.jvp(lm.gelu, (x,), (jnp.ones_like(x),))
+    np.testing.assert_array_equal(y, jax.nn.gelu(x, approximate=True))
+    np.testing.assert_array_equal(dy, mine)

@@ -27,7 +27,8 @@ import numpy as np
 
 from ppgd_tpu.config import CIFnConfig, ConfigError
 from ppgd_tpu.decomp import rng
-from ppgd_tpu.targets.llama_simple_mlp import apply_rope, attention, rms_norm, rope_tables
+from ppgd_tpu.targets.llama_simple_mlp import apply_rope, attention, gelu, rms_norm, \
+    rope_tables
 from ppgd_tpu.targets.lowrank import dense
 from ppgd_tpu.tracing import shard_rows
 
@@ -89,7 +90,7 @@ class ChunkwiseTransformer(eqx.Module):
             a = shard_rows(attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
                                      causal=False))
             h = shard_rows(h + a @ b.wo)
-            return shard_rows(h + jax.nn.gelu(rms_norm(h, b.ln_2) @ b.w1) @ b.w2), None
+            return shard_rows(h + gelu(rms_norm(h, b.ln_2) @ b.w1) @ b.w2), None
 
         h, _ = jax.lax.scan(jax.checkpoint(block) if self.remat else block,
                             shard_rows(x.astype(p.w_in.dtype) @ p.w_in), p.blocks)

@@ -56,6 +56,25 @@ def rms_norm(x, weight=None):
     return y.astype(x.dtype)
 
 
+@jax.custom_jvp
+def gelu(x):
+    """tanh-GELU, jax.nn.gelu(x, approximate=True) bit for bit, with its derivative from the
+    same tanh. Autodiff of jax.nn.gelu sums x's cotangent over its three uses, and XLA:CPU
+    fused that sum with a transposing copy of the [B*T, d_mlp] cotangent (the CI
+    transformer's costliest op: docs/performance-log.md)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+@gelu.defjvp
+def _gelu_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    k0 = np.sqrt(2 / np.pi).astype(x.dtype)
+    t = jnp.tanh(k0 * (x + 0.044715 * (x ** 3)))
+    cdf = 0.5 * (1.0 + t)  # jax.nn.gelu's own ops: the same value
+    slope = cdf + 0.5 * x * (1.0 - t * t) * k0 * (1.0 + 3 * 0.044715 * x * x)
+    return x * cdf, slope * dx
+
+
 def rope_tables(seq_len: int, head_dim: int, base: float):
     """cos, sin [T, head_dim] for rotate-half RoPE; inv_freq is a constant [S27]."""
     inv_freq = jax.lax.stop_gradient(
@@ -202,7 +221,7 @@ class LlamaSimpleMLP(Target):
                                  causal=True))
         h = shard_rows(h + site_fn(f"h.{L}.attn.o_proj", a, b.o_proj))
         x = rms_norm(h, b.ln_2)
-        u = jax.nn.gelu(site_fn(f"h.{L}.mlp.c_fc", x, b.c_fc), approximate=True)
+        u = gelu(site_fn(f"h.{L}.mlp.c_fc", x, b.c_fc))
         return shard_rows(h + site_fn(f"h.{L}.mlp.down_proj", u, b.down_proj))
 
 
