@@ -192,16 +192,12 @@ def _jaxpr_flops(jaxpr) -> float:
     return total
 
 
-def _flat(tree) -> list:
-    return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
-
-
 def _donation(lowered, compiled_hlo: hlo.Module, args, state_arg, model_arg) -> dict:
     """Which train-state and (model, envelope) leaves are donated and aliased."""
     kept = sorted(lowered._lowering.compile_args.get("kept_var_idx", ()))
     param = {flat: n for n, flat in enumerate(kept)}
     aliased = compiled_hlo.aliased_parameters()
-    infos = _flat(lowered.args_info[0])
+    infos = jax.tree.leaves(lowered.args_info[0])  # the flat args' order, as `kept`
     spans, start = [], 0
     for a in args:
         n = len(jax.tree.leaves(a))
@@ -306,29 +302,32 @@ def _hint(cfg: Config, rows: list[tuple[str, int, bool]], report: dict, chips: i
 
 
 def _table(reports: list[dict]) -> str:
-    head = ("variant", "compile s", "peak GiB", "% HBM", "args", "temps", "TFLOP/chip",
-            "balance", "roofline ms", "all-gather", "all-reduce", "red-scatter", "donation")
+    """One row per variant; memory in GiB per chip, collectives as count / GiB per step."""
+    head = ("variant", "compile s", "peak", "% HBM", "args", "out", "alias", "temps",
+            "code MiB", "TFLOP/chip", "HBM GB/chip", "balance", "roofline ms", "all-gather",
+            "all-reduce", "red-scatter", "all-to-all", "donation")
     rows = [head]
+    gib = lambda b: f"{b / 2**30:.2f}"
     for r in reports:
         if "error" in r:
-            rows.append((r["variant"], f"{r['compile_s']:.0f}", "FAILED", "", "", "", "", "",
-                         "", "", "", "", r["error"][:60]))
+            rows.append((r["variant"], f"{r['compile_s']:.0f}", "FAILED", r["error"][:70]))
             continue
         m, c = r["memory"], r["collectives"]
-        coll = lambda k: f"{c[k]['count']} / {c[k]['bytes'] / 2**30:.2f}G"
+        coll = lambda k: f"{c[k]['count']} / {c[k]['bytes'] / 2**30:.2f}"
         d = r["donation"]
         don = (f"{d['state']['aliased']}/{d['state']['leaves']} state aliased"
                if d["state"]["donated"] else "state not donated")
         if "model_envelope" in d:
             don += f", model+env {d['model_envelope']['aliased']} aliased"
-        rows.append((r["variant"], f"{r['compile_s']:.0f}", f"{r['peak_gib']:.2f}",
-                     f"{100 * r['peak_frac_hbm']:.0f}", f"{m['argument'] / 2**30:.2f}",
-                     f"{m['temp'] / 2**30:.2f}", f"{r['flops_per_chip'] / 1e12:.3f}",
+        rows.append((r["variant"], f"{r['compile_s']:.0f}", gib(m["peak"]),
+                     f"{100 * r['peak_frac_hbm']:.0f}", gib(m["argument"]), gib(m["output"]),
+                     gib(m["alias"]), gib(m["temp"]), f"{m['generated_code'] / 2**20:.1f}",
+                     f"{r['flops_per_chip'] / 1e12:.3f}", f"{r['bytes_per_chip_est'] / 1e9:.1f}",
                      f"{r['flops_balance']:.2f}" if r["flops_balance"] else "-",
                      f"{r['roofline_ms']:.1f} ({r['roofline_bound'][0]})",
                      coll("all-gather"), coll("all-reduce"), coll("reduce-scatter"),
-                     don + ("" if d["ok"] else "  FAILED")))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+                     coll("all-to-all"), don + ("" if d["ok"] else "  FAILED")))
+    widths = [max(len(str(row[i])) for row in rows if i < len(row)) for i in range(len(head))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
                      for row in rows)
 

@@ -73,7 +73,8 @@ class Decomposer:
 
     def __init__(self, cfg: Config, target: Target, batch_shape: tuple[int, ...]):
         self.cfg = cfg
-        weights = target.site_weights()
+        # shapes only: `target` may hold arrays or ShapeDtypeStructs (ppgd-tpu compile)
+        weights = jax.eval_shape(lambda t: t.site_weights(), target)
         self.C = comp_lib.resolve_sites(cfg.decomp.sites, tuple(weights))
         self.ties = comp_lib.resolve_ties(cfg.decomp.tie, self.C,
                                           {s: w.shape for s, w in weights.items()})

@@ -211,3 +211,12 @@ def test_the_pod_launcher_stops_a_run_that_does_not_fit_before_touching_the_pod(
     assert "ppgd-tpu compile: error: variant full does not compile for v5e-1" in r.err
     assert "the compile check failed (exit 1" in r.err
     assert r.calls == [] and "+ gcloud" not in r.out
+
+
+def test_a_toy_config_compiles_from_shapes_too(capsys):
+    """The embedded default (TMS 5-2: its target's sites are W and W.T) builds from a target
+    of ShapeDtypeStructs as well as the LM does."""
+    code = cli.run(["compile", "--topology", "v5e-1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "tms_5-2 on v5e-1: 1 chips" in out and "39/39 state aliased" in out

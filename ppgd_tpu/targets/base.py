@@ -111,8 +111,10 @@ class Target(eqx.Module):
         return self.forward(inputs, fn)
 
     def tap_widths(self) -> dict[str, int]:
-        """{tap: width} of every tap `read_activations` offers (toys: each site's input)."""
-        return {s: W.shape[0] for s, W in self.site_weights().items()}
+        """{tap: width} of every tap `read_activations` offers (toys: each site's input);
+        from shapes, so a target of ShapeDtypeStructs (`ppgd-tpu compile`) has them too."""
+        weights = jax.eval_shape(lambda t: t.site_weights(), self)
+        return {s: W.shape[0] for s, W in weights.items()}
 
     def divergence(self, masked, clean):
         """Recon divergence (SPEC 4): MSE for toys; sequence targets override with KL [S25]."""
