@@ -339,14 +339,17 @@ def main(args: list[str]) -> int:
         "slices": ("1", "slices joined by DCN (multi-slice)", cli.count),
         "headroom": ("0.1", "HBM fraction each variant must leave free to fit",
                      _fraction),
-        "json": ("", "also write the whole report as JSON to this path", str)})
+        "json": ("", "also write the whole report as JSON to this path", str),
+        "variants": ("", "compile only these of the mode's variants and `eval` "
+                     "(comma-separated; default: all)", str)})
     if not extra["topology"]:
         raise cli.UsageError("--topology: which TPU slice to compile for? e.g. --topology "
                              "v4-32 (one of " + ", ".join(known_topologies()) + ")")
     topo = Topology.parse(extra["topology"], extra["slices"])
     # compile-only: the persistent CPU cache is no place for TPU executables
     jax.config.update("jax_enable_compilation_cache", False)
-    report = compile_config(cfg, topo, extra["headroom"])
+    only = [v for v in extra["variants"].split(",") if v]
+    report = compile_config(cfg, topo, extra["headroom"], only)
     print(report["text"])
     if extra["json"]:
         from ppgd_tpu import storage
@@ -369,9 +372,10 @@ def _fraction(text: str) -> float:
     return v
 
 
-def compile_config(cfg: Config, topo: Topology, headroom: float = 0.1) -> dict:
-    """Compiles every variant of `cfg` for `topo`; the report (`text`: the table, `failed`:
-    why it does not fit, or '')."""
+def compile_config(cfg: Config, topo: Topology, headroom: float = 0.1,
+                   only: list[str] | None = None) -> dict:
+    """Compiles every variant of `cfg` (or those in `only`) for `topo`; the report (`text`:
+    the table, `failed`: why one does not fit, or '')."""
     from ppgd_tpu.data import lm as data_lib
     from ppgd_tpu.programs import Batches, Programs
 
@@ -385,7 +389,14 @@ def compile_config(cfg: Config, topo: Topology, headroom: float = 0.1) -> dict:
     n = topo.chips * topo.slices
     reports = []
     failed = ""
-    for name, (fn, args, state_arg, model_arg) in variants(cfg, programs, target).items():
+    table = variants(cfg, programs, target)
+    unknown = sorted(set(only or ()) - set(table))
+    if unknown:
+        raise cli.UsageError(f"--variants: {', '.join(unknown)} not run by replay mode "
+                             f"{cfg.data.replay_ci_update!r}; its variants: {', '.join(table)}")
+    for name, (fn, args, state_arg, model_arg) in table.items():
+        if only and name not in only:
+            continue
         r = compile_variant(topo, name, fn, args, state_arg, model_arg)
         reports.append(r)
         if "error" in r and not failed:

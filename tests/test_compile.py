@@ -85,11 +85,12 @@ def test_activations_stay_batch_sharded_under_fsdp_D1(first_mode):
 
 
 def test_two_slices_put_the_data_axis_across_dcn(capsys, tmp_path):
-    code, out, _ = _compile(capsys, "--topology", "v5e-4", "--slices", "2",
+    code, out, _ = _compile(capsys, "--topology", "v5e-4", "--slices", "2", "--variants=full",
                             f"--json={tmp_path / 'r.json'}")
     report = json.loads((tmp_path / "r.json").read_text())
     assert code == 0, out
     assert report["chips"] == 8 and report["mesh"] == {"data": 4, "fsdp": 2}
+    assert [v["variant"] for v in report["variants"]] == ["full"]  # --variants
     assert "x 2 slices: 8 chips" in out
     for v in report["variants"]:
         assert 0.8 < v["flops_balance"] < 1.3 and v["donation"]["ok"], v
@@ -125,6 +126,12 @@ def test_a_config_that_does_not_fit_exits_1_naming_the_variant(capsys):
     assert failure.startswith("ppgd-tpu compile: error: variant full does not compile for "
                               "v5e-1: RESOURCE_EXHAUSTED"), failure
     assert "train state" in failure and "data.batch_size" in failure  # the hint
+
+
+def test_a_variant_the_mode_does_not_run_exits_2(capsys):
+    code, _, err = _compile(capsys, "--topology", "v5e-4", "--variants=repeat")
+    assert code == 2
+    assert "--variants: repeat not run by replay mode 'every'; its variants: full, eval" in err
 
 
 @pytest.mark.parametrize("name", ["v4-31", "v9-8", "tpu", "v5e-3"])
