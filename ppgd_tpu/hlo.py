@@ -154,20 +154,60 @@ class Module:
 
     def bytes_accessed(self) -> float:
         """Per-device HBM bytes of one call, loops counted by their trip counts: each
-        instruction of a control computation (a fusion counts once, its body stays in
-        registers and VMEM) reads its operands and writes its result. An estimate: an
-        in-place update counts its whole buffer."""
+        instruction of a control computation (a fusion as one: its body stays on chip)
+        reads its operands and writes its result, except that a dynamic slice reads only
+        its slice and a dynamic update (a loop writing its stacked outputs in place)
+        writes only its update. An estimate."""
         mult, controls = self._walk()
         total = 0.0
         for comp in controls:
             shapes = self._shapes(comp)
             for ins in self.computations[comp]:
-                if ins.opcode in _FREE:
-                    continue
-                operands = re.findall(r"%([\w.\-]+)", ins.rest.split(")", 1)[0])
-                total += mult[comp] * (nbytes(ins.shape)
-                                       + sum(nbytes(shapes.get(o, "")) for o in operands))
+                if ins.opcode not in _FREE:
+                    total += mult[comp] * self._traffic(ins, shapes)
         return total
+
+    def _traffic(self, ins: Instr, shapes: dict[str, str]) -> float:
+        """Bytes one top-level instruction reads and writes (see bytes_accessed)."""
+        operands = re.findall(r"%([\w.\-]+)", ins.rest.split(")", 1)[0])
+        sizes = [nbytes(shapes.get(o, "")) for o in operands]
+        out = nbytes(ins.shape)
+        body = None
+        if ins.opcode == "fusion":
+            callee = re.search(r"calls=%?([\w.\-]+)", ins.rest)
+            body = self.computations.get(callee.group(1)) if callee else None
+        if ins.opcode == "dynamic-slice" and sizes:
+            return 2 * out
+        if ins.opcode == "dynamic-update-slice" and len(sizes) > 1:
+            return 2 * sizes[1]
+        if not body:
+            return out + sum(sizes)
+        params = {i.name: int(re.match(r"(\d+)", i.rest).group(1)) for i in body
+                  if i.opcode == "parameter" and re.match(r"\d+", i.rest)}
+        users: dict[str, list[Instr]] = {}
+        for i in body:
+            for o in re.findall(r"%([\w.\-]+)", i.rest.split(")", 1)[0]):
+                users.setdefault(o, []).append(i)
+        root = next((i for i in body if i.name == body[-1].name), None)
+        for name, k in params.items():  # a parameter only sliced: the slices are read
+            use = users.get(name, [])
+            if k < len(sizes) and use and all(u.opcode == "dynamic-slice" for u in use):
+                sizes[k] = sum(nbytes(u.shape) for u in use)
+        dus = [i for i in body if i.opcode == "dynamic-update-slice"]
+        if root is not None and dus and nbytes(root.shape) == out:
+            # written in place: the buffer operand is neither read nor rewritten whole
+            for i in dus:
+                ops = re.findall(r"%([\w.\-]+)", i.rest.split(")", 1)[0])
+                if ops and ops[0] in params and params[ops[0]] < len(sizes):
+                    buffer = params[ops[0]]
+                    update = nbytes(self._shapes_in(body).get(ops[1], "")) if len(ops) > 1 else 0
+                    out -= sizes[buffer] - update
+                    sizes[buffer] = 0
+        return max(out, 0) + sum(sizes)
+
+    @staticmethod
+    def _shapes_in(body: list[Instr]) -> dict[str, str]:
+        return {i.name: i.shape for i in body}
 
     def collectives(self) -> dict[str, dict[str, float]]:
         """{kind: {"count": executions, "bytes": result bytes}} per device, per call."""
