@@ -289,7 +289,8 @@ def test_helpfull_lists_every_field_with_type_default_and_meaning(capsys):
     (["ckpt", "ls"], "usage: ppgd-tpu ckpt ls"),
     (["launch-local"], "usage: ppgd-tpu launch-local"),
     (["bench"], "usage: ppgd-tpu bench <case>"),
-    (["eval"], "flags (a field's default is its value in RUN_DIR/config.yaml):")])
+    (["eval"], "flags (a field's default is its value in RUN_DIR/config.yaml):"),
+    (["sweep"], "flags (with --config <embedded default>):")])
 def test_every_command_answers_helpfull(capsys, argv, first):
     """The top-level usage promises `ppgd-tpu <command> --helpfull` for every command; the
     argparse ones exited 2 ("the following arguments are required"), bench asked "which
