@@ -38,6 +38,7 @@ commands:
   tokenize  pack documents into a token store
   ckpt      checkpoint tools: ls | digest | verify
   launch-local  run N local processes of a ppgd-tpu command
+  sweep     train one config at many seeds and tabulate what each recovered (`--seeds 0-15`)
 
 `ppgd-tpu <command> --helpfull` lists that command's flags; `ppgd-tpu --version` the
 versions of ppgd-tpu and the libraries it runs on."""
@@ -348,6 +349,12 @@ def cmd_compile(args: list[str]) -> int:
     return aot.main(args)
 
 
+def cmd_sweep(args: list[str]) -> int:
+    from ppgd_tpu import sweep
+
+    return sweep.main(args)
+
+
 # Commands implemented by other modules as `main(argv) -> int`.
 DELEGATED = {
     "tokenize": "ppgd_tpu.data.tokenize",
@@ -355,9 +362,9 @@ DELEGATED = {
     "launch-local": "ppgd_tpu.launch_local",
 }
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "pretrain": cmd_pretrain, "bench": cmd_bench,
-            "shardings": cmd_shardings, "compile": cmd_compile}
+            "shardings": cmd_shardings, "compile": cmd_compile, "sweep": cmd_sweep}
 # One process writes these commands' files: N processes would each write the same ones.
-ONE_PROCESS = ("pretrain", "tokenize", "compile")
+ONE_PROCESS = ("pretrain", "tokenize", "compile", "sweep")
 
 
 def _argparse_help(args: list[str]) -> list[str]:

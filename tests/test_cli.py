@@ -178,10 +178,13 @@ def test_a_flag_adds_the_mapping_entry_a_yaml_would(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({
         "decomp": {"tie": {"linear2": "linear1"}},
         "loss": {"persistent_pgd": {"adv": {"coeff": 0.5, "lr": {"value": 0.02}}}}}))
+    (tmp_path / "base.yaml").write_text("seed: 0\n")  # no tie (the embedded default has one)
     from_yaml, _ = cli.parse_config_args([f"--config={tmp_path / 'c.yaml'}"])
+    base, _ = cli.parse_config_args([f"--config={tmp_path / 'base.yaml'}"])
     from_flags, _ = cli.parse_config_args([
-        "--decomp.tie.linear2", "linear1", "--loss.persistent_pgd.adv.coeff=0.5",
-        "--loss.persistent_pgd.adv.lr.value=0.02"])
+        f"--config={tmp_path / 'base.yaml'}", "--decomp.tie.linear2", "linear1",
+        "--loss.persistent_pgd.adv.coeff=0.5", "--loss.persistent_pgd.adv.lr.value=0.02"])
+    assert base.decomp.tie == {} and not base.loss.persistent_pgd
     assert config_lib.to_dict(from_flags) == config_lib.to_dict(from_yaml)
     assert from_flags.decomp.tie == {"linear2": "linear1"}
     assert from_flags.loss.persistent_pgd["adv"].n_warmup == 0  # the field's default
@@ -278,7 +281,9 @@ def test_helpfull_lists_every_field_with_type_default_and_meaning(capsys):
     assert '--decomp.steps=20000  [int]  optimizer steps' in out
     assert "--loss.stochastic.layerwise.plan=\"chunked\"  [one of 'all', 'chunked']" in out
     assert "--loss.imp_min.p.value=1.0  [float]" in out
-    # a mapping that is empty by default has no flags; it is still listed, with its entries
+    # a mapping's entries are flags (the default ties linear2 to linear1, as
+    # configs/tms_5-2.yaml does); the mapping is listed too, empty or not, with its entries
+    assert '--decomp.tie.linear2="linear1"  [str]' in out
     assert "  decomp.tie: {<name>: str}  site -> source site" in out
     assert ("  loss.persistent_pgd: {<name>: PersistentPGDTerm {coeff, scope, n_warmup, lr, "
             in out)
@@ -289,7 +294,8 @@ def test_helpfull_lists_every_field_with_type_default_and_meaning(capsys):
     (["ckpt", "ls"], "usage: ppgd-tpu ckpt ls"),
     (["launch-local"], "usage: ppgd-tpu launch-local"),
     (["bench"], "usage: ppgd-tpu bench <case>"),
-    (["eval"], "flags (a field's default is its value in RUN_DIR/config.yaml):")])
+    (["eval"], "flags (a field's default is its value in RUN_DIR/config.yaml):"),
+    (["sweep"], "flags (with --config <embedded default>):")])
 def test_every_command_answers_helpfull(capsys, argv, first):
     """The top-level usage promises `ppgd-tpu <command> --helpfull` for every command; the
     argparse ones exited 2 ("the following arguments are required"), bench asked "which

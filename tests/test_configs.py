@@ -45,3 +45,18 @@ def test_the_embedded_default_is_configs_tms_5_2():
     and the file are the same config, field for field (they had drifted on eval.every)."""
     assert config.to_dict(config.load(None)) == config.to_dict(
         config.load(str(CONFIGS / "tms_5-2.yaml")))
+
+
+def test_the_default_ties_tms_as_the_paper_and_a_yaml_without_a_tie_ties_nothing():
+    """The default decomposes TMS 5-2 tied (linear2's components are linear1's transposed,
+    the SPD reference's setup); the untied variant is its own config, which differs from
+    the default in the tie alone; and the tie is the embedded default's, not a dataclass
+    default that every other YAML (ResidMLP, LMs, untied TMS) would inherit."""
+    default = config.load(None)
+    untied = config.load(str(CONFIGS / "tms_5-2-untied.yaml"))
+    assert default.decomp.tie == {"linear2": "linear1"} and untied.decomp.tie == {}
+    same = dataclasses.replace(untied, name=default.name, decomp=dataclasses.replace(
+        untied.decomp, tie=default.decomp.tie))
+    assert config.to_dict(same) == config.to_dict(default)
+    assert config.Config().decomp.tie == {}
+    assert config.load(str(CONFIGS / "resid_mlp1.yaml")).decomp.tie == {}
