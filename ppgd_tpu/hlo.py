@@ -5,7 +5,9 @@ XLA's `cost_analysis()` counts a while loop's body once, not once per iteration,
 over a transformer's blocks is undercounted by its length (TPU_AOT_TRIAL.md). Here every
 computation gets a multiplier: how often one call of the entry computation runs it (a
 while body: its caller's multiplier times the loop's trip count, XLA's `known_trip_count`
-or the bound N of a scan's condition `i < N`; a fusion, call or branch: its caller's). A conditional counts every branch (an upper bound).
+or ceil(N / step) from its condition `i < N` and the constant its body adds to i (a scan
+steps by 1, XLA's bidirectional windowed matmuls by 2); a fusion, call or branch: its
+caller's). A conditional counts every branch (an upper bound).
 
 - `dot_flops`: 2 x output elements x contracted size of every `dot` and `convolution`
   (TPU emits matmuls as convolutions; the contracted size is the kernel's input-feature
@@ -124,13 +126,35 @@ class Module:
         instrs = self.computations.get(cond.group(1), []) if cond else []
         consts = {i.name: int(v.group(1)) for i in instrs if i.opcode == "constant"
                   and (v := re.match(r"(-?\d+)\)", i.rest))}
+        index = {i.name: int(k.group(1)) for i in instrs if i.opcode == "get-tuple-element"
+                 and (k := re.search(r"index=(\d+)", i.rest))}
         for i in instrs:
             if i.opcode == "compare" and "direction=LT" in i.rest:
                 operands = re.findall(r"%([\w.\-]+)", i.rest.split(")", 1)[0])
                 bounds = [consts[o] for o in operands[1:] if o in consts]
                 if bounds and bounds[0] > 0:
-                    return bounds[0]
+                    step = self._loop_step(ins, index.get(operands[0]))
+                    return -(-bounds[0] // step)
         return 1
+
+    def _loop_step(self, ins: Instr, k: int | None) -> int:
+        """The constant a while body adds to its loop counter (tuple element k); 1 when it
+        cannot be read (XLA's bidirectional windowed matmuls step by 2)."""
+        body = re.search(r"body=%?([\w.\-]+)", ins.rest)
+        instrs = self.computations.get(body.group(1), []) if body else []
+        if k is None or not instrs:
+            return 1
+        by_name = {i.name: i for i in instrs}
+        consts = {i.name: int(v.group(1)) for i in instrs if i.opcode == "constant"
+                  and (v := re.match(r"(-?\d+)\)", i.rest))}
+        root = instrs[-1]
+        elements = re.findall(r"%([\w.\-]+)", root.rest.split(")", 1)[0])
+        update = by_name.get(elements[k]) if root.opcode == "tuple" and k < len(elements) else None
+        if update is None or update.opcode != "add":
+            return 1
+        steps = [consts[o] for o in re.findall(r"%([\w.\-]+)", update.rest.split(")", 1)[0])
+                 if o in consts]
+        return steps[0] if steps and steps[0] > 0 else 1
 
     def _shapes(self, comp: str) -> dict[str, str]:
         return {i.name: i.shape for i in self.computations[comp]}

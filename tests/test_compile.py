@@ -213,7 +213,8 @@ def test_the_pod_launcher_stops_a_run_that_does_not_fit_before_touching_the_pod(
                           "--accelerator-type", "v5e-1", "--", "--config", LM,
                           "--data.batch_size=2048", "--eval.batch_size=8",
                           "--target.llama_simple_mlp.max_seq_len=512", "--mesh.data=1",
-                          "--mesh.fsdp=1"], env={"TPU_POD_PPGD_TPU": exe})
+                          "--mesh.fsdp=1"], env={"TPU_POD_PPGD_TPU": exe},
+               timeout=600)  # a real compile: minutes on a loaded 2-core machine
     assert r.rc == 2, r.err
     assert "ppgd-tpu compile: error: variant full does not compile for v5e-1" in r.err
     assert "the compile check failed (exit 1" in r.err
@@ -227,3 +228,38 @@ def test_a_toy_config_compiles_from_shapes_too(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "tms_5-2 on v5e-1: 1 chips" in out and "39/39 state aliased" in out
+
+
+def test_a_loop_that_steps_its_counter_by_2_runs_half_its_bound():
+    """XLA's bidirectional windowed matmuls (seen on v4) count i = 0, 2, 4, 6 < 8: 4 trips.
+    A hand-written module in the optimised HLO's text form."""
+    text = """HloModule m, input_output_alias={ {}: (0, {}, may-alias) }
+
+%cond (p: (s32[], f32[4,4])) -> pred[] {
+  %p = (s32[], f32[4,4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (q: (s32[], f32[4,4])) -> (s32[], f32[4,4]) {
+  %q = (s32[], f32[4,4]) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %x = f32[4,4] get-tuple-element(%q), index=1
+  %d = f32[4,4] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %two = s32[] constant(2)
+  %next = s32[] add(%j, %two)
+  ROOT %t = (s32[], f32[4,4]) tuple(%next, %d)
+}
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4] parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,4]) tuple(%zero, %a)
+  %w = (s32[], f32[4,4]) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[4,4] get-tuple-element(%w), index=1
+}
+"""
+    m = hlo.Module(text)
+    assert m.multipliers()["body"] == 4 and m.dot_flops() == 4 * 2 * 16 * 4
+    assert m.aliased_parameters() == {0}

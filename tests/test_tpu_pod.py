@@ -43,7 +43,7 @@ PIP = '"$HOME/ppgd_tpu/venv/bin/python" -m pip'
 class Launch:
     """One launcher invocation: exit code, output, and what the fakes recorded."""
 
-    def __init__(self, tmp_path, args, scenario=None, env=None):
+    def __init__(self, tmp_path, args, scenario=None, env=None, timeout=120):
         state = tmp_path / "state"
         scenario_file = tmp_path / "scenario.json"
         scenario_file.write_text(json.dumps(scenario or {}))
@@ -62,7 +62,7 @@ class Launch:
         logs = (tmp_path / "gcloud.jsonl", state / "remote.jsonl", tmp_path / "sleep.log")
         before = [len(read_lines(f)) for f in logs]  # earlier invocations in this tmp_path
         p = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=self.env,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=timeout)
         self.rc, self.out, self.err = p.returncode, p.stdout, p.stderr
         calls, remote, sleeps = (read_lines(f)[n:] for f, n in zip(logs, before))
         self.calls = [json.loads(line) for line in calls]
