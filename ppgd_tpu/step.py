@@ -27,7 +27,7 @@ from ppgd_tpu.decomp import live_rows as live_lib
 from ppgd_tpu.decomp import losses
 from ppgd_tpu.decomp.schedules import adamw, apply_update, clip_by_global_norm, global_norm, \
     schedule_value
-from ppgd_tpu.targets.base import MaskThunk, SiteMask, Target
+from ppgd_tpu.targets.base import MaskThunk, SiteMask, Target, site_shapes
 
 # fold_in indices of the run key [R1]; draws never depend on the device layout.
 _INIT_COMPONENTS, _INIT_CI, _INIT_ADV = 1, 2, 3
@@ -74,7 +74,7 @@ class Decomposer:
     def __init__(self, cfg: Config, target: Target, batch_shape: tuple[int, ...]):
         self.cfg = cfg
         # shapes only: `target` may hold arrays or ShapeDtypeStructs (ppgd-tpu compile)
-        weights = jax.eval_shape(lambda t: t.site_weights(), target)
+        weights = site_shapes(target)
         self.C = comp_lib.resolve_sites(cfg.decomp.sites, tuple(weights))
         self.ties = comp_lib.resolve_ties(cfg.decomp.tie, self.C,
                                           {s: w.shape for s, w in weights.items()})

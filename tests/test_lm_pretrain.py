@@ -180,7 +180,9 @@ def test_a_resume_state_edited_by_hand_is_refused_naming_it(store, tmp_path, cap
         assert needle in err and "delete it to start over" in err, err
         assert os.path.exists(path)
     # given to train as the target (its name is close to the weights' own): said what it is
-    rc = cli.run(["train", *TINY, f"--target.path={path}", f"--data.store={store}",
+    lm_yaml = os.path.join(os.path.dirname(__file__), "..", "configs", "lm_demo_2L.yaml")
+    rc = cli.run(["train", f"--config={lm_yaml}", *TINY, f"--target.path={path}",
+                  f"--data.store={store}",
                   f"--run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert rc == 2 and "is the saved state of an interrupted pretraining, not a target" in err

@@ -113,8 +113,7 @@ class Target(eqx.Module):
     def tap_widths(self) -> dict[str, int]:
         """{tap: width} of every tap `read_activations` offers (toys: each site's input);
         from shapes, so a target of ShapeDtypeStructs (`ppgd-tpu compile`) has them too."""
-        weights = jax.eval_shape(lambda t: t.site_weights(), self)
-        return {s: W.shape[0] for s, W in weights.items()}
+        return {s: W.shape[0] for s, W in site_shapes(self).items()}
 
     def divergence(self, masked, clean):
         """Recon divergence (SPEC 4): MSE for toys; sequence targets override with KL [S25]."""
@@ -156,3 +155,18 @@ class Target(eqx.Module):
         """Sites whose input is a ReLU layer's output: a privileged basis, where a component
         reading one unit is off (reads 0) whenever that unit is."""
         return ()
+
+
+def site_shapes(target: Target) -> dict:
+    """{site: ShapeDtypeStruct} in the target's canonical site order, from shapes: works on a
+    target of arrays or of ShapeDtypeStructs (a toy's sites include W.T, which a struct
+    lacks). The order is site_weights()'s own, not the sorted one a pytree result has."""
+    order: list[str] = []
+
+    def weights(t):
+        w = t.site_weights()
+        order.extend(w)
+        return w
+
+    shapes = jax.eval_shape(weights, target)
+    return {s: shapes[s] for s in order}
