@@ -157,7 +157,7 @@ class Module:
         return steps[0] if steps and steps[0] > 0 else 1
 
     def _shapes(self, comp: str) -> dict[str, str]:
-        return {i.name: i.shape for i in self.computations[comp]}
+        return _shapes_of(self.computations[comp])
 
     def dot_flops(self) -> float:
         """Per-device matmul FLOPs of one call, loops counted by their trip counts."""
@@ -212,26 +212,23 @@ class Module:
         for i in body:
             for o in re.findall(r"%([\w.\-]+)", i.rest.split(")", 1)[0]):
                 users.setdefault(o, []).append(i)
-        root = next((i for i in body if i.name == body[-1].name), None)
+        root, shapes_in = body[-1], _shapes_of(body)
         for name, k in params.items():  # a parameter only sliced: the slices are read
             use = users.get(name, [])
             if k < len(sizes) and use and all(u.opcode == "dynamic-slice" for u in use):
                 sizes[k] = sum(nbytes(u.shape) for u in use)
         dus = [i for i in body if i.opcode == "dynamic-update-slice"]
-        if root is not None and dus and nbytes(root.shape) == out:
+        if dus and nbytes(root.shape) == out:
             # written in place: the buffer operand is neither read nor rewritten whole
             for i in dus:
                 ops = re.findall(r"%([\w.\-]+)", i.rest.split(")", 1)[0])
                 if ops and ops[0] in params and params[ops[0]] < len(sizes):
                     buffer = params[ops[0]]
-                    update = nbytes(self._shapes_in(body).get(ops[1], "")) if len(ops) > 1 else 0
+                    update = nbytes(shapes_in.get(ops[1], "")) if len(ops) > 1 else 0
                     out -= sizes[buffer] - update
                     sizes[buffer] = 0
         return max(out, 0) + sum(sizes)
 
-    @staticmethod
-    def _shapes_in(body: list[Instr]) -> dict[str, str]:
-        return {i.name: i.shape for i in body}
 
     def collectives(self) -> dict[str, dict[str, float]]:
         """{kind: {"count": executions, "bytes": result bytes}} per device, per call."""
@@ -263,6 +260,11 @@ class Module:
             if depth == 0:
                 break
         return {int(p) for p in re.findall(r":\s*\((\d+),", self.text[start:i])}
+
+
+def _shapes_of(instrs: list[Instr]) -> dict[str, str]:
+    """{instruction name: result shape text} of one computation."""
+    return {i.name: i.shape for i in instrs}
 
 
 def _contracted(ins: Instr, lhs, rhs) -> int:
