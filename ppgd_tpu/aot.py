@@ -38,7 +38,7 @@ import time
 import jax
 import numpy as np
 
-from ppgd_tpu import cli, hlo
+from ppgd_tpu import cmdline, hlo
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu.config import Config
 
@@ -66,7 +66,7 @@ _NAMES = {"v4": "v4", "v5p": "v5p", "v5e": "v5e", "v5litepod": "v5e", "v6e": "v6
 _COUNTS = {3: [2 ** i for i in range(2, 13)], 2: [1] + [2 ** i for i in range(2, 9)]}
 
 
-class TopologyError(cli.UsageError):
+class TopologyError(cmdline.UsageError):
     """An accelerator type that is not a TPU slice this command knows."""
 
 
@@ -110,7 +110,7 @@ class Topology:
     def devices(self) -> list:
         """The topology's compile-only devices (libtpu's compiler; no TPU needed)."""
         if importlib.util.find_spec("libtpu") is None:
-            raise cli.UsageError("compile: the TPU compiler (libtpu) is not installed; "
+            raise cmdline.UsageError("compile: the TPU compiler (libtpu) is not installed; "
                                  "install it with `pip install -e '.[tpu]'` (it runs on a "
                                  "machine without a TPU)")
         # libtpu's lock keeps two processes off one host's TPU chips; a compile-only client
@@ -333,17 +333,17 @@ def _table(reports: list[dict]) -> str:
 
 
 def main(args: list[str]) -> int:
-    cfg, extra = cli.parse_config_args(args, {
+    cfg, extra = cmdline.parse_config_args(args, {
         "topology": ("", "TPU slice type as gcloud names it: v4-32, v5p-64, v5e-256 "
                      "(= v5litepod-256), v6e-16, ...", str),
-        "slices": ("1", "slices joined by DCN (multi-slice)", cli.count),
+        "slices": ("1", "slices joined by DCN (multi-slice)", cmdline.count),
         "headroom": ("0.1", "HBM fraction each variant must leave free to fit",
                      _fraction),
         "json": ("", "also write the whole report as JSON to this path", str),
         "variants": ("", "compile only these of the mode's variants and `eval` "
                      "(comma-separated; default: all)", str)})
     if not extra["topology"]:
-        raise cli.UsageError("--topology: which TPU slice to compile for? e.g. --topology "
+        raise cmdline.UsageError("--topology: which TPU slice to compile for? e.g. --topology "
                              "v4-32 (one of " + ", ".join(known_topologies()) + ")")
     topo = Topology.parse(extra["topology"], extra["slices"])
     # compile-only: the persistent CPU cache is no place for TPU executables
@@ -392,7 +392,7 @@ def compile_config(cfg: Config, topo: Topology, headroom: float = 0.1,
     table = variants(cfg, programs, target)
     unknown = sorted(set(only or ()) - set(table))
     if unknown:
-        raise cli.UsageError(f"--variants: {', '.join(unknown)} not run by replay mode "
+        raise cmdline.UsageError(f"--variants: {', '.join(unknown)} not run by replay mode "
                              f"{cfg.data.replay_ci_update!r}; its variants: {', '.join(table)}")
     for name, (fn, args, state_arg, model_arg) in table.items():
         if only and name not in only:

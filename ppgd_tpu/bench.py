@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppgd_tpu import cli, storage, workspace
+from ppgd_tpu import cmdline, storage, workspace
 
 
 def _peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
@@ -71,7 +71,7 @@ def state_bytes_per_device(state) -> tuple[int, int]:
 def _devices_ab(args: list[str], counts: list[int]) -> int:
     """One `bench step` subprocess per device count; a table of state memory per device."""
     rows = {}
-    own = [a for a in cli.join_values(args, ["devices"]) if not a.startswith("--devices")]
+    own = [a for a in cmdline.join_values(args, ["devices"]) if not a.startswith("--devices")]
     for n in counts:
         env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
                "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
@@ -98,14 +98,14 @@ def bench_step(args: list[str]) -> int:
     from ppgd_tpu.data.toy import batch_key
     from ppgd_tpu.engine import Trainer
 
-    cfg, extra = cli.parse_config_args(args, {
-        "n_steps": ("200", "timed steps per measurement", cli.count),
+    cfg, extra = cmdline.parse_config_args(args, {
+        "n_steps": ("200", "timed steps per measurement", cmdline.count),
         "devices": ("", "comma-separated device counts: compare state memory per device",
-                    cli.counts),
+                    cmdline.counts),
         "timing": ("true", "time the steps (false: the placed state's memory only)",
-                   cli.choice("true", "false")),
+                   cmdline.choice("true", "false")),
         "profile": ("", "also list the N XLA ops the step spends the most time in, from "
-                    "a jax.profiler trace (empty: off)", lambda t: cli.count(t) if t else 0)})
+                    "a jax.profiler trace (empty: off)", cmdline.optional(cmdline.count))})
     if extra["devices"]:
         return _devices_ab(args, extra["devices"])
     n = extra["n_steps"]
@@ -395,7 +395,7 @@ def ci_fn_split(trainer, state, n: int) -> dict:
 
 def _window(text: str) -> int:
     try:
-        k = cli.count(text)
+        k = cmdline.count(text)
     except ValueError:
         k = 0
     if k < 2:
@@ -469,10 +469,10 @@ def bench_replay(args: list[str]) -> int:
     from ppgd_tpu.replay import ReplayController
     from ppgd_tpu.step import Decomposer
 
-    cfg, extra = cli.parse_config_args(args, {
+    cfg, extra = cmdline.parse_config_args(args, {
         "k": ("4", "replay window length (>= 2: a window of 1 replays nothing)", _window),
         "rounds": ("5", "timed rounds, each one window of every mode, interleaved",
-                   cli.count)})
+                   cmdline.count)})
     k, rounds = extra["k"], extra["rounds"]
 
     def with_mode(mode):
@@ -545,26 +545,22 @@ def _fresh_dir(path: str, prefix: str) -> str:
         return tempfile.mkdtemp(prefix=prefix)
     if storage.is_gcs(path) and storage.list_entries(path) or \
             not storage.is_gcs(path) and os.path.isdir(path) and os.listdir(path):
-        raise cli.UsageError(f"--run_dir: {path} is not empty; a bench writes a run dir of "
+        raise cmdline.UsageError(f"--run_dir: {path} is not empty; a bench writes a run dir of "
                              "its own: pass a new path, or none (a temp dir)")
-    try:
-        storage.check_creatable(path, directory=True)
-    except ValueError as e:
-        raise cli.UsageError(f"--run_dir: {e}") from None
-    return path
+    return cmdline.output_path("run_dir", path, directory=True)
 
 
 def bench_run(args: list[str]) -> int:
     """`--compile_cache=cold` (default) times a first run (a fresh, empty compile cache);
     `warm` a repeat run (one untimed run fills a fresh cache first); `off` runs without one."""
-    cfg, extra = cli.parse_config_args(args, {
+    cfg, extra = cmdline.parse_config_args(args, {
         "run_dir": ("", "run dir (default: a new temp dir, kept for a look; the output's "
                     "run_dir names it)"),
         "compile_cache": ("cold", "cold: first run; warm: a repeat run; off: no cache",
-                          cli.choice("cold", "warm", "off"))})
+                          cmdline.choice("cold", "warm", "off"))})
     mode = extra["compile_cache"]
     run_dir = _fresh_dir(extra["run_dir"], "ppgd-bench-run-")
-    own = [a for a in cli.join_values(args, ["run_dir", "compile_cache"])  # both spellings
+    own = [a for a in cmdline.join_values(args, ["run_dir", "compile_cache"])  # both spellings
            if not a.startswith(("--run_dir=", "--compile_cache="))]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     scratch = tempfile.mkdtemp(prefix="ppgd-bench-run-")  # the cache, a warm run's first run
@@ -608,8 +604,8 @@ def bench_ckpt(args: list[str]) -> int:
     from ppgd_tpu import checkpoint, resume
     from ppgd_tpu.engine import Trainer
 
-    cfg, extra = cli.parse_config_args(args, {
-        "n_saves": ("5", "saves to time", cli.count),
+    cfg, extra = cmdline.parse_config_args(args, {
+        "n_saves": ("5", "saves to time", cmdline.count),
         "run_dir": ("", "where to write (default: a new temp dir, kept; the output's run_dir "
                     "names it)")})
     run_dir = _fresh_dir(extra["run_dir"], "ppgd-bench-ckpt-")
@@ -653,5 +649,5 @@ def _print(report: dict) -> None:
 
 def main(case: str, args: list[str]) -> int:
     if case not in CASES:
-        raise cli.UsageError(f"unknown case {case!r}; one of {', '.join(CASES)}")
+        raise cmdline.UsageError(f"unknown case {case!r}; one of {', '.join(CASES)}")
     return CASES[case](args)

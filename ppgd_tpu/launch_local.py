@@ -21,7 +21,6 @@ process groups so a terminal's Ctrl-C reaches them only through this forwarding,
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import queue
@@ -35,7 +34,7 @@ import threading
 import time
 from typing import IO
 
-from ppgd_tpu import dist, signals
+from ppgd_tpu import cmdline, dist, signals
 
 
 def free_port() -> int:
@@ -84,33 +83,33 @@ def child_env(index: int, processes: int, devices_per_process: int, port: int,
     return env
 
 
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+USAGE = ("usage: ppgd-tpu launch-local --processes N [flags] -- COMMAND [ARGS]\n\n"
+         "Run N local processes as one multi-process JAX job; the args after -- go to each "
+         "child.")
+
+
+def _parse(argv: list[str]) -> tuple[dict, list[str]]:
+    """-> ({flag: value}, the child's argv); a bad command line raises UsageError."""
     own, child = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(
-        prog="ppgd-tpu launch-local",
-        description="Run N local processes as one multi-process JAX job; args after -- go to each child.",
-    )
-    p.add_argument("--processes", type=int, required=True, help="number of processes (>= 1)")
-    p.add_argument("--devices_per_process", type=int, default=1, help="CPU devices per process (>= 1)")
-    p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
-    p.add_argument("--module", default="ppgd_tpu.cli", help="child runs `python -m MODULE ARGS`")
-    p.add_argument("--exec", action="store_true", dest="exec_argv",
-                   help="run the argv after -- as-is instead of `python -m MODULE`")
-    args, stray = p.parse_known_args(own)
+    after = "the command goes after `--`: ppgd-tpu launch-local --processes N -- train ..."
+    try:
+        args, stray = cmdline.parse_flags(own, {
+            "processes": (None, "number of processes", cmdline.count),
+            "devices_per_process": ("1", "CPU devices per process", cmdline.count),
+            "port": ("0", "coordinator port (0: a free one)", cmdline.integer(0, 65535)),
+            "module": ("ppgd_tpu.cli", "child runs `python -m MODULE ARGS`"),
+            "exec": (False, "run the argv after -- as-is instead of `python -m MODULE`")},
+            USAGE)
+    except cmdline.UsageError as e:  # a command's flag before any `--`
+        raise cmdline.UsageError(f"{e}; {after}" if not child else str(e)) from None
     if stray:
-        p.error(f"unrecognized arguments: {' '.join(stray)} (the command goes after `--`: "
-                "ppgd-tpu launch-local --processes N -- train ...)")
-    if args.processes < 1:
-        p.error(f"--processes={args.processes}: expected >= 1")
-    if args.devices_per_process < 1:
-        p.error(f"--devices_per_process={args.devices_per_process}: expected >= 1")
-    if not 0 <= args.port < 65536:
-        p.error(f"--port={args.port}: expected 0 (pick a free one) or 1..65535")
+        raise cmdline.UsageError(f"unrecognized arguments: {' '.join(stray)} ({after})")
     if not child:
-        p.error("no command after --: each process runs `ppgd-tpu <command> ...` (or, with "
-                "--exec, the argv) given there, e.g. -- train --config configs/tms_5-2.yaml")
-    if args.exec_argv and shutil.which(child[0]) is None:
-        p.error(f"--exec: {child[0]!r} is not an executable file or on PATH")
+        raise cmdline.UsageError(
+            "no command after --: each process runs `ppgd-tpu <command> ...` (or, with "
+            "--exec, the argv) given there, e.g. -- train --config configs/tms_5-2.yaml")
+    if args["exec"] and shutil.which(child[0]) is None:
+        raise cmdline.UsageError(f"--exec: {child[0]!r} is not an executable file or on PATH")
     return args, child
 
 
@@ -143,13 +142,10 @@ def _exit_code(returncode: int) -> int:
 
 def main(argv: list[str]) -> int:
     """Run the job; 0 when every child succeeds, else the first failing child's code."""
-    try:
-        args, child_args = _parse(argv)
-    except SystemExit as e:  # argparse has printed the usage error (or --help)
-        return int(e.code or 0)
-    port = args.port or free_port()
-    cmd = child_args if args.exec_argv else [sys.executable, "-m", args.module, *child_args]
-    _say(f"{args.processes} processes x {args.devices_per_process} devices, "
+    args, child_args = _parse(argv)
+    port = args["port"] or free_port()
+    cmd = child_args if args["exec"] else [sys.executable, "-m", args["module"], *child_args]
+    _say(f"{args['processes']} processes x {args['devices_per_process']} devices, "
          f"coordinator 127.0.0.1:{port}: {' '.join(cmd)}")
     out_lock = threading.Lock()
     children: list[subprocess.Popen] = []
@@ -175,11 +171,11 @@ def main(argv: list[str]) -> int:
     previous = {s: signal.signal(s, forward)
                 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        for i in range(args.processes):
-            env = child_env(i, args.processes, args.devices_per_process, port)
+        for i in range(args["processes"]):
+            env = child_env(i, args["processes"], args["devices_per_process"], port)
             # A program given as-is (--exec) may start ours as a grandchild, whose parent
             # is then not this launcher: only `python -m MODULE` children follow it.
-            if not args.exec_argv:
+            if not args["exec"]:
                 env[signals.LAUNCHER_PID] = str(os.getpid())
             c = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, process_group=0)
@@ -235,7 +231,3 @@ def _wait(children: list[subprocess.Popen], exits: queue.Queue[tuple[int, int]],
                 _kill(c)
             return _exit_code(rc)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from ppgd_tpu import cli, storage
+from ppgd_tpu import cmdline, storage
 from ppgd_tpu import config as config_lib
 
 # summary.json key prefixes shown, in this order, and their column names.
@@ -68,7 +68,7 @@ def parse_seeds(text: str) -> list[int]:
 
 def _train_args(args: list[str]) -> list[str]:
     """The command line without the sweep's own flags: what every seed's `train` gets."""
-    args = cli.join_values(args, ["config", *OWN_FLAGS])
+    args = cmdline.join_values(args, ["config", *OWN_FLAGS])
     own = tuple(f"--{n}=" for n in OWN_FLAGS)
     return [a for a in args if not a.startswith(own) and a not in {f"--{n}" for n in OWN_FLAGS}]
 
@@ -128,24 +128,21 @@ def table(rows: list[dict]) -> str:
 def main(args: list[str]) -> int:
     """`ppgd-tpu sweep` (see the module docstring); exit 0 when every seed's train exited
     0, 1 when one did not, 2 for a refused command line (nothing is run)."""
-    named = cli._named(cli.join_values(args, ["config", *OWN_FLAGS]))
+    named = cmdline.named(cmdline.join_values(args, ["config", *OWN_FLAGS]))
     if "seed" in named:
-        raise cli.UsageError("--seed: the sweep gives each run its seed from --seeds")
+        raise cmdline.UsageError("--seed: the sweep gives each run its seed from --seeds")
     if "run_dir" in named:
-        raise cli.UsageError("--run_dir: the sweep gives each run its run dir, DIR/seed_<s> "
+        raise cmdline.UsageError("--run_dir: the sweep gives each run its run dir, DIR/seed_<s> "
                              "(DIR: --output)")
-    cfg, extra = cli.parse_config_args(args, {
+    cfg, extra = cmdline.parse_config_args(args, {
         "seeds": ("", "seeds to run: 0-15, 0,3,7 or a mix (0-3,8)", parse_seeds),
-        "jobs": ("1", "seeds trained at once (each its own process)", cli.count),
+        "jobs": ("1", "seeds trained at once (each its own process)", cmdline.count),
         "output": ("", "directory of the sweep's run dirs, logs and sweep.json "
                    "(default: runs/sweep-<config name>)")})
     out = extra["output"] or os.path.join("runs", f"sweep-{cfg.name}")
     if storage.is_gcs(out):
-        raise cli.UsageError(f"--output: {out}: a sweep keeps its runs and logs on local disk")
-    try:
-        storage.check_creatable(out, directory=True)
-    except ValueError as e:
-        raise cli.UsageError(f"--output: {e}") from None
+        raise cmdline.UsageError(f"--output: {out}: a sweep keeps its runs and logs on local disk")
+    cmdline.output_path("output", out, directory=True)
     from ppgd_tpu.workspace import SUMMARY, RunDir
 
     seeds = extra["seeds"]
@@ -157,7 +154,7 @@ def main(args: list[str]) -> int:
             try:
                 rd.check_compatible(dataclasses.replace(cfg, seed=s))
             except config_lib.ConfigError as e:
-                raise cli.UsageError(
+                raise cmdline.UsageError(
                     f"--output: {rd.path} holds seed {s}'s finished run of another config; "
                     "give another --output, or this sweep's original flags. "
                     + str(e).removeprefix("--run_dir: ")) from None

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppgd_tpu import cli
+from ppgd_tpu import cli, cmdline
 from ppgd_tpu import config as config_lib
 from ppgd_tpu.engine import Trainer
 
@@ -78,7 +78,7 @@ def test_bench_step_reports_step_time_and_host_overhead(capsys):
     # (sampled before the A/Bs, so a loose bound: it catches e.g. KiB printed as MiB)
     assert r["peak_rss_mb"] <= rss_after_mb * (1 + PRINTED)
     # the train state: on one device its bytes are the summed sizes of its leaves' shapes
-    cfg = cli.parse_config_args(TINY)[0]
+    cfg = cmdline.parse_config_args(TINY)[0]
     trainer = Trainer(cfg)
     shapes = jax.eval_shape(trainer.dec.init, trainer.target)
     state_mb = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
@@ -98,7 +98,7 @@ def test_bench_step_compares_the_live_rows_step_with_the_all_rows_step(capsys):
     args = ["--data.batch_size=256", "--decomp.steps=40", "--eval.batch_size=64"]
     assert cli.run(["bench", "step", *args, "--n_steps=20"]) == 0
     report = _report(capsys.readouterr().out)
-    cfg = cli.parse_config_args(args)[0]
+    cfg = cmdline.parse_config_args(args)[0]
     assert cfg.target.kind == "tms"
     k = _live_rows_bound(256, cfg.target.tms)
     assert k <= 256 // 2
@@ -302,7 +302,7 @@ def test_paired_rounds_time_n_steps_in_rounds_of_at_most_20(n, rounds, size):
         jax.debug.callback(lambda: calls.append(1))
         return state + 1, None
 
-    trainer = Trainer(cli.parse_config_args(TINY)[0])
+    trainer = Trainer(cmdline.parse_config_args(TINY)[0])
     times, _ = bench._paired_rounds(trainer, {"a": (step, jnp.zeros(())),
                                               "b": (step, jnp.zeros(()))}, n)
     jax.effects_barrier()

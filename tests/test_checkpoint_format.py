@@ -15,9 +15,11 @@ import pytest
 
 from ppgd_tpu.checkpoint import arrays as arrays_io
 from ppgd_tpu import storage
-from ppgd_tpu.checkpoint import audit, cli
+from ppgd_tpu import ckpt
+from ppgd_tpu.checkpoint import audit
 from ppgd_tpu.checkpoint import manifest as mf
 from ppgd_tpu.checkpoint.checkpointer import Checkpointer, restore, save
+from ppgd_tpu.cmdline import UsageError
 
 
 def make_state(seed: int = 0) -> dict:
@@ -248,7 +250,7 @@ def test_digest_is_of_logical_bytes(tmp_path):
 
 def test_verify_finds_damage(run_dir, capsys):
     save(run_dir, 1, make_state())
-    assert cli.main(["verify", run_dir]) == 0
+    assert ckpt.main(["verify", run_dir]) == 0
     sdir = mf.step_dir(run_dir, 1)
     v = storage.join(sdir, "decomposition/components/linear1/V/c/0/0")
     storage.remove(v)  # missing chunk (would silently read as zeros)
@@ -283,7 +285,7 @@ def test_verify_finds_damage(run_dir, capsys):
             in audit.verify(run_dir)[1].problems)
 
     capsys.readouterr()
-    assert cli.main(["verify", run_dir]) == 1
+    assert ckpt.main(["verify", run_dir]) == 1
     assert "DAMAGED" in capsys.readouterr().out
 
 
@@ -303,7 +305,7 @@ def test_verify_of_a_running_job_does_not_call_its_deleted_steps_damaged(run_dir
         return read_leaf(sdir, *args)
 
     monkeypatch.setattr(audit, "_leaf_problems", the_job_deletes_step_1_meanwhile)
-    assert cli.main(["verify", run_dir]) == 0
+    assert ckpt.main(["verify", run_dir]) == 0
     out = capsys.readouterr().out
     assert "deleted while being verified" in out and "DAMAGED" not in out
     assert [(r.step, r.committed, r.damaged) for r in audit.verify(run_dir)] == [(2, True, False)]
@@ -344,7 +346,7 @@ def test_restore_refuses_a_damaged_committed_step_C4(run_dir, damage, capsys):
     assert str(refused.value).count("delete") == 1  # the way out, once (it was wrapped twice)
     assert "tensorstore_spec" not in str(refused.value)
     capsys.readouterr()
-    assert cli.main(["digest", run_dir]) == 1  # damage found, as verify says it (was 2: usage)
+    assert ckpt.main(["digest", run_dir]) == 1  # damage found, as verify says it (was 2: usage)
     err = capsys.readouterr().err
     assert "lists all the damage" in err and "Traceback" not in err
     assert "tensorstore_spec" not in err
@@ -357,33 +359,34 @@ def test_restore_refuses_a_damaged_committed_step_C4(run_dir, damage, capsys):
 
 def test_cli_ls_digest_and_bad_paths(run_dir, capsys):
     save(run_dir, 3, make_state())
-    assert cli.main(["ls", run_dir]) == 0
+    assert ckpt.main(["ls", run_dir]) == 0
     out = capsys.readouterr().out
     assert "committed" in out and mf.step_dir(run_dir, 3) in out
-    assert cli.main(["digest", run_dir, "--step", "3"]) == 0
+    assert ckpt.main(["digest", run_dir, "--step", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == f"{audit.digest(run_dir).overall}  step 3 overall"
     assert len(out) == len(make_state()) + 1
 
     for bad in [run_dir + "/nothing-here", "s3://bucket/run", "gs:///run"]:
-        assert cli.main(["ls", bad]) == 2
+        assert ckpt.main(["ls", bad]) == 2
         assert "ppgd-tpu ckpt ls:" in capsys.readouterr().err
     fresh = storage.join(run_dir, "fresh")  # a run that has not saved yet
     storage.write_bytes(storage.join(fresh, "config.yaml"), b"name: x\n")
-    assert cli.main(["ls", fresh]) == 2
+    assert ckpt.main(["ls", fresh]) == 2
     assert f"{fresh} is a run directory with no checkpoint yet" in capsys.readouterr().err
     for inside in (mf.ckpts_dir(run_dir), mf.step_dir(run_dir, 3)):  # one level too deep
-        assert cli.main(["ls", inside]) == 2
+        assert ckpt.main(["ls", inside]) == 2
         assert f"give its run directory, {storage.normalize(run_dir)}" in capsys.readouterr().err
-    assert cli.main(["digest", run_dir, "--step", "4"]) == 2
+    assert ckpt.main(["digest", run_dir, "--step", "4"]) == 2
     assert "step 4" in capsys.readouterr().err
-    assert cli.main(["frobnicate", run_dir]) == 2
+    with pytest.raises(UsageError, match="'frobnicate': not a tool; one of ls, digest, verify"):
+        ckpt.main(["frobnicate", run_dir])
     if storage.is_gcs(run_dir):  # (gs:// has no empty directories)
         return
     empty = run_dir + "/empty"  # a run dir whose ckpts/ holds no step: exit 0, said nothing
     os.makedirs(mf.ckpts_dir(empty))
     for cmd in ("ls", "verify", "digest"):
-        assert cli.main([cmd, empty]) == 2
+        assert ckpt.main([cmd, empty]) == 2
         assert f"{mf.ckpts_dir(empty)} holds no checkpoint" in capsys.readouterr().err
 
 

@@ -13,19 +13,14 @@ import numpy as np
 import pytest
 import yaml
 
-from ppgd_tpu import cli
+from helpers import run_command
+from ppgd_tpu import cli, cmdline
 from ppgd_tpu import config as config_lib
 from ppgd_tpu import load_decomposition
 from ppgd_tpu import storage
 
 TINY = ["--decomp.steps=60", "--data.batch_size=64", "--eval.batch_size=256", "--eval.every=30",
         "--log.every=20", "--log.progress=false", "--eval.pgd_steps=2"]
-
-
-def _run(argv, capsys):
-    rc = cli.run(argv)
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -81,7 +76,7 @@ def _run(argv, capsys):
 def test_refused_flags_exit_2_with_the_path(argv, needle, capsys, tmp_path):
     argv = [a.format(tmp=tmp_path) for a in argv]
     needle = needle.format(tmp=tmp_path)
-    rc, _, err = _run(["train", f"--run_dir={tmp_path / 'r'}", *argv], capsys)
+    rc, _, err = run_command(["train", f"--run_dir={tmp_path / 'r'}", *argv], capsys)
     assert rc == 2
     assert needle in err
     assert not (tmp_path / "r").exists()  # refused before anything was created
@@ -97,8 +92,8 @@ def test_a_bad_value_reads_the_same_from_yaml_and_from_a_flag(field, value, caps
     for key in reversed(field.split(".")):
         node = {key: node}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(node))
-    rc_yaml, _, from_yaml = _run(["train", f"--config={tmp_path / 'c.yaml'}"], capsys)
-    rc_flag, _, from_flag = _run(["train", f"--{field}={value}"], capsys)
+    rc_yaml, _, from_yaml = run_command(["train", f"--config={tmp_path / 'c.yaml'}"], capsys)
+    rc_flag, _, from_flag = run_command(["train", f"--{field}={value}"], capsys)
     assert rc_yaml == rc_flag == 2
     assert from_yaml.strip().splitlines()[-1] == from_flag.strip().splitlines()[-1]
     assert f"{field}: {value!r} is not" in from_flag
@@ -118,7 +113,7 @@ def test_a_config_file_that_is_not_one_mapping_of_utf8_exits_2(content, needle, 
     given twice silently took its last value."""
     (tmp_path / "c.yaml").write_bytes(content)
     for argv in (["train", f"--run_dir={tmp_path / 'r'}"], ["shardings"]):
-        rc, _, err = _run([*argv, f"--config={tmp_path / 'c.yaml'}"], capsys)
+        rc, _, err = run_command([*argv, f"--config={tmp_path / 'c.yaml'}"], capsys)
         assert rc == 2 and f"--config: {tmp_path / 'c.yaml'} " in err and needle in err, err
         assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r").exists()
@@ -130,8 +125,8 @@ def test_an_integer_field_takes_a_whole_number_written_as_a_float(text, want, tm
     """`steps: 2e4` is 20000 from YAML (where PyYAML reads it as a string) and from a flag;
     '1.5' and 'abc' stay refused (the tests above)."""
     (tmp_path / "c.yaml").write_text(f"decomp:\n  steps: {text}\n")
-    from_yaml, _ = cli.parse_config_args([f"--config={tmp_path / 'c.yaml'}"])
-    from_flag, _ = cli.parse_config_args([f"--decomp.steps={text}"])
+    from_yaml, _ = cmdline.parse_config_args([f"--config={tmp_path / 'c.yaml'}"])
+    from_flag, _ = cmdline.parse_config_args([f"--decomp.steps={text}"])
     assert from_yaml.decomp.steps == from_flag.decomp.steps == want
     assert type(from_flag.decomp.steps) is int
 
@@ -142,10 +137,10 @@ def test_cross_field_rules_hold_for_the_yaml_and_its_flags_together(tmp_path, ca
     so no flag could fix it; the same rule still refuses the combination."""
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({"data": {"replay_ci_update": "first"},
                                                      "decomp": {"ci_fn": {"detach_inputs": True}}}))
-    cfg, _ = cli.parse_config_args([f"--config={tmp_path / 'c.yaml'}",
+    cfg, _ = cmdline.parse_config_args([f"--config={tmp_path / 'c.yaml'}",
                                     "--data.train_batch_replay=2"])
     assert (cfg.data.replay_ci_update, cfg.data.train_batch_replay) == ("first", 2)
-    rc, _, err = _run(["train", f"--config={tmp_path / 'c.yaml'}",
+    rc, _, err = run_command(["train", f"--config={tmp_path / 'c.yaml'}",
                        f"--run_dir={tmp_path / 'r'}"], capsys)
     assert rc == 2 and "data.replay_ci_update: 'first' needs data.train_batch_replay" in err
     assert not (tmp_path / "r").exists()
@@ -157,7 +152,7 @@ def test_one_process_commands_refuse_a_multi_process_launch(cmd, capsys, tmp_pat
     """`launch-local -- pretrain` ran N pretrainings into the same files (one crashed on
     the other's renamed log, leaving a stale resume state): refused, naming why."""
     monkeypatch.setenv("PPGD_NUM_PROCESSES", "2")
-    rc, _, err = _run([cmd, f"--output={tmp_path / 'x'}"], capsys)
+    rc, _, err = run_command([cmd, f"--output={tmp_path / 'x'}"], capsys)
     assert rc == 2 and f"{cmd} runs as one process" in err and "without launch-local" in err
     assert not list(tmp_path.iterdir())
 
@@ -167,7 +162,7 @@ def test_a_repeated_flag_takes_its_last_value_config_included(tmp_path):
     its first, so `--config=a --config=b` ran a's config with b-meant overrides."""
     (tmp_path / "a.yaml").write_text("decomp:\n  steps: 11\n")
     (tmp_path / "b.yaml").write_text("decomp:\n  steps: 22\n")
-    cfg, _ = cli.parse_config_args([f"--config={tmp_path / 'a.yaml'}", "--config",
+    cfg, _ = cmdline.parse_config_args([f"--config={tmp_path / 'a.yaml'}", "--config",
                                     str(tmp_path / "b.yaml"), "--seed=1", "--seed=2"])
     assert (cfg.decomp.steps, cfg.seed) == (22, 2)
 
@@ -179,9 +174,9 @@ def test_a_flag_adds_the_mapping_entry_a_yaml_would(tmp_path):
         "decomp": {"tie": {"linear2": "linear1"}},
         "loss": {"persistent_pgd": {"adv": {"coeff": 0.5, "lr": {"value": 0.02}}}}}))
     (tmp_path / "base.yaml").write_text("seed: 0\n")  # no tie (the embedded default has one)
-    from_yaml, _ = cli.parse_config_args([f"--config={tmp_path / 'c.yaml'}"])
-    base, _ = cli.parse_config_args([f"--config={tmp_path / 'base.yaml'}"])
-    from_flags, _ = cli.parse_config_args([
+    from_yaml, _ = cmdline.parse_config_args([f"--config={tmp_path / 'c.yaml'}"])
+    base, _ = cmdline.parse_config_args([f"--config={tmp_path / 'base.yaml'}"])
+    from_flags, _ = cmdline.parse_config_args([
         f"--config={tmp_path / 'base.yaml'}", "--decomp.tie.linear2", "linear1",
         "--loss.persistent_pgd.adv.coeff=0.5", "--loss.persistent_pgd.adv.lr.value=0.02"])
     assert base.decomp.tie == {} and not base.loss.persistent_pgd
@@ -189,11 +184,11 @@ def test_a_flag_adds_the_mapping_entry_a_yaml_would(tmp_path):
     assert from_flags.decomp.tie == {"linear2": "linear1"}
     assert from_flags.loss.persistent_pgd["adv"].n_warmup == 0  # the field's default
     # a name that extends an existing one is a new entry, not a typo of it
-    more, _ = cli.parse_config_args(["--loss.stochastic.stochastic2.coeff=0.5"])
+    more, _ = cmdline.parse_config_args(["--loss.stochastic.stochastic2.coeff=0.5"])
     assert list(more.loss.stochastic) == ["stochastic", "layerwise", "stochastic2"]
     assert more.loss.stochastic["stochastic2"].coeff == 0.5
     # two new ones in one command are not each other's typo
-    two, _ = cli.parse_config_args(["--loss.persistent_pgd.term_a.coeff=1",
+    two, _ = cmdline.parse_config_args(["--loss.persistent_pgd.term_a.coeff=1",
                                     "--loss.persistent_pgd.term_b.coeff=2"])
     assert {n: t.coeff for n, t in two.loss.persistent_pgd.items()} == {"term_a": 1.0,
                                                                        "term_b": 2.0}
@@ -204,7 +199,7 @@ def test_a_site_key_with_dots_is_a_flag_like_any_other(tmp_path):
     added by a flag, is overridden whole (not split at its dots)."""
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({
         "target": {"kind": "resid_mlp"}, "decomp": {"sites": {"layers.0.mlp_in": 100}}}))
-    cfg, _ = cli.parse_config_args([f"--config={tmp_path / 'c.yaml'}",
+    cfg, _ = cmdline.parse_config_args([f"--config={tmp_path / 'c.yaml'}",
                                     "--decomp.sites.layers.0.mlp_in=80",
                                     "--decomp.sites.layers.0.mlp_out=60"])
     assert cfg.decomp.sites == {"layers.0.mlp_in": 80, "layers.0.mlp_out": 60}
@@ -222,29 +217,29 @@ def test_a_site_key_with_dots_is_a_flag_like_any_other(tmp_path):
 ])
 def test_refused_command_flags_exit_2_with_the_flag(argv, needle, capsys):
     """A command's own flags (not config fields) are checked the same way, before compute."""
-    rc, out, err = _run(argv, capsys)
+    rc, out, err = run_command(argv, capsys)
     assert rc == 2 and needle in err and not out
 
 
 def test_refused_yaml_names_the_dotted_path(capsys, tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("decomp:\n  ci_fn:\n    hiden: 3\n")
-    rc, _, err = _run(["train", f"--config={cfg}"], capsys)
+    rc, _, err = run_command(["train", f"--config={cfg}"], capsys)
     assert rc == 2 and "decomp.ci_fn.hiden: unknown key (did you mean 'hidden'?)" in err
     cfg.write_text("decomp:\n  sites: {mlp_in: 4}\n")
-    rc, _, err = _run(["train", f"--config={cfg}"], capsys)
+    rc, _, err = run_command(["train", f"--config={cfg}"], capsys)
     assert rc == 2 and "decomp.sites.mlp_in: matches no site" in err and "linear1" in err
     cfg.write_text("decomp:\n  tie: {linear2: linear3}\n")
-    rc, _, err = _run(["train", f"--config={cfg}", f"--run_dir={tmp_path / 'r'}"], capsys)
+    rc, _, err = run_command(["train", f"--config={cfg}", f"--run_dir={tmp_path / 'r'}"], capsys)
     assert rc == 2 and "decomp.tie.linear2: 'linear3' is not a decomposed site" in err
     assert not (tmp_path / "r").exists()
-    rc, _, err = _run(["train", f"--config={tmp_path / 'missing.yaml'}"], capsys)
+    rc, _, err = run_command(["train", f"--config={tmp_path / 'missing.yaml'}"], capsys)
     assert rc == 2 and "--config: no such file" in err
     # a recon term named like another logged loss part, or like a term of another family
     for terms in ["stochastic: {total: {}}", "fresh_pgd: {imp_min: {}}",
                   "persistent_pgd: {stochastic: {}}"]:
         cfg.write_text(f"loss:\n  {terms}\n")
-        rc, _, err = _run(["train", f"--config={cfg}", f"--run_dir={tmp_path / 'r'}"], capsys)
+        rc, _, err = run_command(["train", f"--config={cfg}", f"--run_dir={tmp_path / 'r'}"], capsys)
         assert rc == 2 and "recon term names must be unique identifiers" in err, terms
         assert not (tmp_path / "r").exists()
 
@@ -267,7 +262,7 @@ def test_version_names_the_package_and_the_libraries_a_result_depends_on(capsys)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
         version = tomllib.load(fh)["project"]["version"]
-    rc, out, _ = _run(["--version"], capsys)
+    rc, out, _ = run_command(["--version"], capsys)
     assert rc == 0 and ppgd_tpu.__version__ == version
     assert out.startswith(f"ppgd-tpu {version} ")
     assert f"jax {jax.__version__}," in out and "tensorstore " in out
@@ -307,9 +302,14 @@ def test_every_command_answers_helpfull(capsys, argv, first):
     assert rc == 0 and capsys.readouterr().out.startswith(first)
 
 
-def test_helpfull_after_launch_local_separator_is_the_child_commands():
-    assert cli._argparse_help(["--helpfull", "--", "train", "--helpfull"]) == [
-        "--help", "--", "train", "--helpfull"]
+def test_helpfull_after_launch_local_separator_is_the_child_commands(capsys):
+    """launch-local's own flags end at `--`: a --helpfull after it is the child command's
+    (it is not answered with the launcher's usage, and runs nothing here)."""
+    with pytest.raises(SystemExit) as e:
+        cli.run(["launch-local", "--helpfull", "--", "train", "--helpfull"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: ppgd-tpu launch-local")
+    rc, _, err = run_command(["launch-local", "--processes=x", "--", "train", "--helpfull"], capsys)
+    assert rc == 2 and "--processes='x': use a whole number >= 1" in err
 
 
 @pytest.fixture(scope="module")
@@ -400,7 +400,7 @@ def test_a_diverged_run_stops_with_status_1_at_the_step_it_saw_it(tmp_path, caps
     step and the values; what was written stays (metrics.jsonl with that line, strict JSON:
     the non-finite values as null), nothing is marked complete or saved after it."""
     run_dir = tmp_path / "nan"
-    rc, _, err = _run(["train", f"--run_dir={run_dir}", *TINY, *cadence, "--decomp.steps=40",
+    rc, _, err = run_command(["train", f"--run_dir={run_dir}", *TINY, *cadence, "--decomp.steps=40",
                        "--decomp.lr_components.value=1e30", "--eval.figures=false"], capsys)
     assert rc == 1
     assert f"ppgd-tpu train: error: {run_dir}: {needle}" in err and "diverged" in err
@@ -534,14 +534,14 @@ def test_load_decomposition_names_a_path_that_is_no_run_dir(tmp_path):
 def test_rerun_complete_and_refused_resume_leave_the_dir_untouched(finished_run, capsys):
     before = {f: open(finished_run / f, "rb").read()
               for f in ["target.json", "config.yaml", "metrics.jsonl", "summary.json"]}
-    rc, out, _ = _run(["train", f"--run_dir={finished_run}", *TINY], capsys)
+    rc, out, _ = run_command(["train", f"--run_dir={finished_run}", *TINY], capsys)
     assert rc == 0 and "already complete" in out
-    rc, _, err = _run(["train", f"--run_dir={finished_run}", *TINY,
+    rc, _, err = run_command(["train", f"--run_dir={finished_run}", *TINY,
                        "--loss.imp_min.coeff=0.5"], capsys)
     assert rc == 2 and "loss.imp_min.coeff: 0.003 -> 0.5" in err
     assert "no checkpoint yet" not in err
     # fields that do not change the trajectory may differ (WORKSPACE.md)
-    rc, out, _ = _run(["train", f"--run_dir={finished_run}", *TINY, "--log.every=5"], capsys)
+    rc, out, _ = run_command(["train", f"--run_dir={finished_run}", *TINY, "--log.every=5"], capsys)
     assert rc == 0 and "already complete" in out
     after = {f: open(finished_run / f, "rb").read() for f in before}
     assert before == after
@@ -555,7 +555,7 @@ def test_a_refused_run_that_never_checkpointed_says_it_may_be_started_over(finis
     shutil.copytree(finished_run, run)
     shutil.rmtree(run / "ckpts")
     (run / "summary.json").unlink()
-    rc, _, err = _run(["train", f"--run_dir={run}", *TINY, "--loss.imp_min.coeff=0.5"], capsys)
+    rc, _, err = run_command(["train", f"--run_dir={run}", *TINY, "--loss.imp_min.coeff=0.5"], capsys)
     assert rc == 2 and "loss.imp_min.coeff: 0.003 -> 0.5" in err
     assert f"that run has no checkpoint yet: to start it over with this config, remove {run}" \
         in err
@@ -566,7 +566,7 @@ def test_a_summary_that_is_a_directory_is_refused_naming_it(finished_run, tmp_pa
     shutil.copytree(finished_run, run)
     (run / "summary.json").unlink()
     (run / "summary.json").mkdir()
-    rc, out, err = _run(["train", f"--run_dir={run}", *TINY], capsys)
+    rc, out, err = run_command(["train", f"--run_dir={run}", *TINY], capsys)
     assert rc == 2 and f"{run / 'summary.json'} is a directory" in err, err
     assert "already complete" not in out
 
@@ -575,21 +575,21 @@ def test_a_summary_changed_by_hand_is_refused_not_read(finished_run, tmp_path, c
     run = tmp_path / "r"
     shutil.copytree(finished_run, run)
     (run / "summary.json").write_text('{"step": 6')
-    rc, out, err = _run(["train", f"--run_dir={run}", *TINY], capsys)
+    rc, out, err = run_command(["train", f"--run_dir={run}", *TINY], capsys)
     assert rc == 2 and "summary.json marks this run complete but is not valid JSON" in err
     assert "already complete" not in out and (run / "summary.json").read_text() == '{"step": 6'
 
 
 def test_pretrain_writes_a_target_that_train_loads_and_bad_files_are_refused(tmp_path, capsys):
     out = tmp_path / "tms.safetensors"
-    rc, text, _ = _run(["pretrain", f"--output={out}", "--target.tms.train_steps=3000"], capsys)
+    rc, text, _ = run_command(["pretrain", f"--output={out}", "--target.tms.train_steps=3000"], capsys)
     assert rc == 0 and out.exists()
     written = out.read_bytes()
     # the same again: nothing to do (it is deterministic); another config: replaced, said
-    rc, text, _ = _run(["pretrain", f"--output={out}", "--target.tms.train_steps=3000",
+    rc, text, _ = run_command(["pretrain", f"--output={out}", "--target.tms.train_steps=3000",
                         "--target.resid_mlp.d_mlp=7"], capsys)  # another kind's field
     assert rc == 0 and f"{out}: already complete" in text and out.read_bytes() == written
-    rc, text, _ = _run(["pretrain", f"--output={out}", "--target.tms.train_steps=3001"], capsys)
+    rc, text, _ = run_command(["pretrain", f"--output={out}", "--target.tms.train_steps=3001"], capsys)
     assert rc == 0 and (f"{out} holds a target pretrained otherwise (target.tms.train_steps: "
                         "3000 there, 3001 here)") in text
     assert out.read_bytes() != written
@@ -598,14 +598,14 @@ def test_pretrain_writes_a_target_that_train_loads_and_bad_files_are_refused(tmp
     sd = load_file(str(out))
     assert set(sd) == {"W", "b"}
     save_file({"W": sd["W"][:, :1], "b": sd["b"]}, str(tmp_path / "bad.safetensors"))
-    rc, _, err = _run(["train", f"--target.path={tmp_path / 'bad.safetensors'}",
+    rc, _, err = run_command(["train", f"--target.path={tmp_path / 'bad.safetensors'}",
                        f"--run_dir={tmp_path / 'r'}", *TINY], capsys)
     assert rc == 2 and "tensor 'W' has shape (5, 1), expected (5, 2)" in err
     save_file({"W": sd["W"]}, str(tmp_path / "missing.safetensors"))
-    rc, _, err = _run(["train", f"--target.path={tmp_path / 'missing.safetensors'}",
+    rc, _, err = run_command(["train", f"--target.path={tmp_path / 'missing.safetensors'}",
                        f"--run_dir={tmp_path / 'r'}", *TINY], capsys)
     assert rc == 2 and "missing tensor 'b'" in err
-    rc, _, _ = _run(["train", f"--target.path={out}", f"--run_dir={tmp_path / 'ok'}", *TINY],
+    rc, _, _ = run_command(["train", f"--target.path={out}", f"--run_dir={tmp_path / 'ok'}", *TINY],
                     capsys)
     assert rc == 0
 
@@ -619,35 +619,35 @@ def test_a_resume_rebuilds_the_same_target_or_is_refused_C1(tmp_path, capsys):
     sha256 (target.json): a resume onto other weights (the file overwritten by another
     pretrain) is refused, exit 2, nothing touched; the same weights at another path resume."""
     t, copy, run = tmp_path / "t.safetensors", tmp_path / "copy.safetensors", tmp_path / "r"
-    assert _run(["pretrain", f"--output={t}"], capsys)[0] == 0
+    assert run_command(["pretrain", f"--output={t}"], capsys)[0] == 0
     shutil.copy(t, copy)
-    assert _run(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)[0] == 0
+    assert run_command(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)[0] == 0
     started = json.loads((run / "target.json").read_text())
     assert started["path"] == str(t) and len(started["sha256"]) == 64
     (run / "summary.json").unlink()  # stopped after its last checkpoint: resumable
 
-    assert _run(["pretrain", f"--output={t}", "--target.seed=1"], capsys)[0] == 0
+    assert run_command(["pretrain", f"--output={t}", "--target.seed=1"], capsys)[0] == 0
     before = _files(run)
-    rc, _, err = _run(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)
+    rc, _, err = run_command(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)
     assert rc == 2 and f"target: the weights now at {t} differ from those" in err, err
     assert _files(run) == before
 
-    rc, _, err = _run(["train", f"--target.path={copy}", f"--run_dir={run}", *TINY], capsys)
+    rc, _, err = run_command(["train", f"--target.path={copy}", f"--run_dir={run}", *TINY], capsys)
     assert rc == 0, err
     assert json.loads((run / "summary.json").read_text())["step"] == 60
     assert json.loads((run / "target.json").read_text()) == started  # written once
 
     (run / "summary.json").unlink()
     (run / "target.json").write_text('{"sha256": ')  # changed by hand
-    rc, _, err = _run(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)
+    rc, _, err = run_command(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)
     assert rc == 2 and "target.json is not the record this package writes" in err, err
 
     # A run dir from before target.json: the weights go unchecked, and target.path may not
     # move (it is then the only identity of the target).
     (run / "target.json").unlink()
-    rc, _, err = _run(["train", f"--target.path={copy}", f"--run_dir={run}", *TINY], capsys)
+    rc, _, err = run_command(["train", f"--target.path={copy}", f"--run_dir={run}", *TINY], capsys)
     assert rc == 2 and f"target.path: '{t}' -> '{copy}'" in err, err
-    assert _run(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)[0] == 0
+    assert run_command(["train", f"--target.path={t}", f"--run_dir={run}", *TINY], capsys)[0] == 0
 
 
 def test_unwritable_paths_are_refused_before_any_compute(tmp_path, capsys, monkeypatch):
@@ -674,7 +674,7 @@ def test_unwritable_paths_are_refused_before_any_compute(tmp_path, capsys, monke
             (["pretrain", f"--output={notes}"],
              f"--output: {notes} exists and is not a target `pretrain` wrote"),
             (["train", f"--config={tmp_path}"], f"--config: cannot read '{tmp_path}'")]:
-        rc, _, err = _run([*argv, "--target.seed=7", *TINY], capsys)
+        rc, _, err = run_command([*argv, "--target.seed=7", *TINY], capsys)
         assert rc == 2 and needle in err, (argv, err)
     assert afile.read_text() == "keep" and not cache.exists()
     assert notes.read_text() == "a README that is no safetensors file\n"
@@ -682,7 +682,7 @@ def test_unwritable_paths_are_refused_before_any_compute(tmp_path, capsys, monke
 
 
 def test_a_target_that_fails_validation_is_refused(tmp_path, capsys):
-    rc, _, err = _run(["train", "--target.tms.train_steps=5", f"--run_dir={tmp_path / 'r'}",
+    rc, _, err = run_command(["train", "--target.tms.train_steps=5", f"--run_dir={tmp_path / 'r'}",
                        *TINY], capsys)
     assert rc == 2 and "failed validation" in err and "x_hat_i" in err
     assert not (tmp_path / "r").exists()

@@ -14,7 +14,7 @@ import jax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ppgd_tpu import aot, cli, hlo, resume
+from ppgd_tpu import aot, cli, cmdline, hlo, resume
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu.data import lm as data_lib
 from ppgd_tpu.programs import Batches, Programs
@@ -103,7 +103,7 @@ def test_state_per_chip_shrinks_by_the_fsdp_factor():
     topo = aot.Topology.parse("v5e-4")
     per = {}
     for data, fsdp in ((4, 1), (1, 4)):
-        cfg = cli.parse_config_args(["--config", LM, "--mesh.fsdp_min_elements=0",
+        cfg = cmdline.parse_config_args(["--config", LM, "--mesh.fsdp_min_elements=0",
                                      f"--mesh.data={data}", f"--mesh.fsdp={fsdp}"])[0]
         programs, target = _programs(cfg, topo)
         per[fsdp] = {n: (b, sh) for n, b, sh in aot.state_per_chip(programs, target)}
@@ -163,7 +163,7 @@ def test_the_shardings_table_is_what_the_compiled_step_takes(capsys):
         name, rest = line.split(None, 1)
         spec = ast.literal_eval(rest[rest.index("  ("):].strip().split(")  ")[0] + ")")
         table[name] = PartitionSpec(*spec)
-    cfg = cli.parse_config_args(["--config", LM])[0]
+    cfg = cmdline.parse_config_args(["--config", LM])[0]
     programs, target = _programs(cfg, aot.Topology.parse("v5e-4"))
     fn, args, _, _ = aot.variants(cfg, programs, target)["full"]
     compiled = fn.lower(*args).compile()

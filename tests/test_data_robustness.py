@@ -22,18 +22,13 @@ import pytest
 from safetensors import numpy as safetensors_numpy
 
 from conftest import TINY_YAML, bpe_tokenizer
+from helpers import run_command
 from ppgd_tpu import cli
 from ppgd_tpu.config import load
 from ppgd_tpu.data import tokens
 from ppgd_tpu.data.tokenize import HFTokenizer
 from ppgd_tpu.data.tokens import IncompleteStoreError, TokenStore
 from ppgd_tpu.targets import build, lm_pretrain
-
-
-def _run(argv, capsys):
-    rc = cli.run(argv)
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 # ---------------------------------------------------------------- 1. non-finite toy targets
@@ -64,7 +59,7 @@ def test_a_non_finite_toy_target_is_refused_by_tensor_before_any_step(
     build.save(mod.from_state_dict(sub, sd), cfg, path)
 
     run = tmp_path / "run"
-    rc, _, err = _run(["train", *([f"--config={config}"] if config else []),
+    rc, _, err = run_command(["train", *([f"--config={config}"] if config else []),
                        f"--target.path={path}", f"--run_dir={run}"], capsys)
     assert rc == 2, err
     assert f"tensor {tensor!r} has non-finite values" in err
@@ -93,7 +88,7 @@ def test_tokenize_refuses_an_output_it_cannot_create_before_reading_input(
     blocker = tmp_path / "notes.txt"
     blocker.write_text("keep me")
     output = str(blocker if where == "an existing file" else blocker / "store")
-    rc, _, err = _run(["tokenize", "--input", _corpus(tmp_path), "--output", output,
+    rc, _, err = run_command(["tokenize", "--input", _corpus(tmp_path), "--output", output,
                        "--seq_len", "17"], capsys)
     assert rc == 2
     assert err.startswith("ppgd-tpu tokenize: error: --output: ") and str(blocker) in err
@@ -107,7 +102,7 @@ def test_tokenize_checks_output_before_any_input_is_read(tmp_path, capsys):
     (tmp_path / "docs.parquet").write_bytes(b"not parquet at all")
     blocker = tmp_path / "file"
     blocker.write_text("")
-    rc, _, err = _run(["tokenize", "--input", str(tmp_path / "*.parquet"), "--output",
+    rc, _, err = run_command(["tokenize", "--input", str(tmp_path / "*.parquet"), "--output",
                        str(blocker / "store"), "--seq_len", "17"], capsys)
     assert rc == 2 and "--output: " in err and "parquet" not in err, err
 
@@ -121,7 +116,7 @@ def test_tokenize_names_an_input_file_it_cannot_read(tmp_path, capsys):
     (corpus / "a.txt").write_text("fine " * 200)
     (corpus / "z.txt").symlink_to("/proc/self/mem")
     out = tmp_path / "store"
-    rc, _, err = _run(["tokenize", "--input", str(corpus / "*.txt"), "--output", str(out),
+    rc, _, err = run_command(["tokenize", "--input", str(corpus / "*.txt"), "--output", str(out),
                        "--seq_len", "17"], capsys)
     assert rc == 2 and f"--input: cannot read {corpus / 'z.txt'}" in err, err
     with pytest.raises(IncompleteStoreError):
@@ -143,7 +138,7 @@ def test_tokenize_refuses_an_output_holding_other_files_and_deletes_nothing(
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
     corpus = _corpus(tmp_path)
-    rc, _, err = _run(["tokenize", "--input", corpus, "--output", str(out),
+    rc, _, err = run_command(["tokenize", "--input", corpus, "--output", str(out),
                        "--seq_len", "17"], capsys)
     assert rc == 2, err
     assert err.startswith(f"ppgd-tpu tokenize: error: --output: {out} holds files that are "
@@ -152,7 +147,7 @@ def test_tokenize_refuses_an_output_holding_other_files_and_deletes_nothing(
         == files
     store = tmp_path / "store"
     for _ in range(2):  # a new store, then a rewrite of it
-        rc, _, err = _run(["tokenize", "--input", corpus, "--output", str(store),
+        rc, _, err = run_command(["tokenize", "--input", corpus, "--output", str(store),
                            "--seq_len", "17"], capsys)
         assert rc == 0, err
 
@@ -238,7 +233,7 @@ def test_weights_made_with_another_architecture_are_refused_naming_the_fields(
     run = tmp_path / "run"
     base = ["train", f"--config={lm_setup['config']}", f"--data.store={lm_setup['store']}",
             f"--run_dir={run}"]
-    rc, _, err = _run([*base, f"--target.path={lm_setup['target']}",
+    rc, _, err = run_command([*base, f"--target.path={lm_setup['target']}",
                        "--target.llama_simple_mlp.n_heads=4",
                        "--target.llama_simple_mlp.n_kv_heads=2",
                        "--target.llama_simple_mlp.rope_base=100"], capsys)
@@ -250,7 +245,7 @@ def test_weights_made_with_another_architecture_are_refused_naming_the_fields(
     toy = tmp_path / "tms.safetensors"
     cfg = load(None).target
     build.save(build.build(cfg), cfg, str(toy))
-    rc, _, err = _run([*base, f"--target.path={toy}"], capsys)
+    rc, _, err = run_command([*base, f"--target.path={toy}"], capsys)
     assert rc == 2 and f"{toy} holds a 'tms' target (per its metadata)" in err, err
     assert not run.exists()
 
@@ -266,13 +261,13 @@ def test_a_store_from_another_tokenizer_than_the_lms_pretraining_is_refused(
     docs = [open(f).read() for f in sorted(glob.glob(str(corpus["root"] / "*.txt")))]
     bpe = bpe_tokenizer(str(tmp_path / "tokenizer.json"), docs, vocab_size=300)
     store = str(tmp_path / "bpe_store")
-    assert _run(["tokenize", "--input", str(corpus["root"] / "*.txt"), "--output", store,
+    assert run_command(["tokenize", "--input", str(corpus["root"] / "*.txt"), "--output", store,
                  "--seq_len", "17", "--tokenizer", bpe], capsys)[0] == 0
     bpe_id = TokenStore.open(store).tokenizer_id
     assert bpe_id.startswith("vocab-sha256:") and TokenStore.open(store).vocab_size <= 384
     assert TokenStore.open(corpus["store"]).tokenizer_id == "byte"
     run = tmp_path / "run"
-    rc, _, err = _run(["train", f"--config={corpus['config']}", f"--run_dir={run}",
+    rc, _, err = run_command(["train", f"--config={corpus['config']}", f"--run_dir={run}",
                        f"--target.path={corpus['target']}", f"--data.store={store}"], capsys)
     assert rc == 2, err
     assert (f"data.store: {store} was tokenized with another tokenizer ({bpe_id}) than the "
@@ -310,7 +305,7 @@ def test_a_resume_refuses_a_store_whose_rows_changed_since_the_run_started(lm_se
     corpus = _corpus(tmp_path)
     store = tmp_path / "store"
     tokenize = ["tokenize", "--input", corpus, "--output", str(store), "--seq_len", "17"]
-    assert _run(tokenize, capsys)[0] == 0
+    assert run_command(tokenize, capsys)[0] == 0
     run = tmp_path / "run"
     args = ["train", f"--config={lm_setup['config']}", f"--target.path={lm_setup['target']}",
             f"--run_dir={run}", "--decomp.steps=4", "--checkpoint.every=2", "--eval.every=0",
@@ -320,25 +315,25 @@ def test_a_resume_refuses_a_store_whose_rows_changed_since_the_run_started(lm_se
         os.remove(run / "summary.json")
         shutil.rmtree(run / "ckpts" / "4")
 
-    assert _run([*args, f"--data.store={store}"], capsys)[0] == 0
+    assert run_command([*args, f"--data.store={store}"], capsys)[0] == 0
     stopped_at_step_2()
     store_id = TokenStore.open(str(store)).store_id
-    assert _run(tokenize, capsys)[0] == 0
+    assert run_command(tokenize, capsys)[0] == 0
     assert TokenStore.open(str(store)).store_id == store_id
-    rc, _, err = _run([*args, f"--data.store={store}"], capsys)
+    rc, _, err = run_command([*args, f"--data.store={store}"], capsys)
     assert rc == 0 and (run / "summary.json").exists(), err
 
     stopped_at_step_2()
     shutil.copytree(store, tmp_path / "moved")
     (tmp_path / "corpus" / "doc4.txt").write_text("a dog sat on it.")
-    assert _run(tokenize, capsys)[0] == 0
+    assert run_command(tokenize, capsys)[0] == 0
     before = sorted(os.listdir(run))
-    rc, _, err = _run([*args, f"--data.store={store}"], capsys)
+    rc, _, err = run_command([*args, f"--data.store={store}"], capsys)
     assert rc == 2, err
     assert (f"data.store: the token store at {store} is not the one {run} was started with"
             in err and "its rows differ" in err), err
     assert sorted(os.listdir(run)) == before and not (run / "summary.json").exists()
-    rc, _, err = _run([*args, f"--data.store={tmp_path / 'moved'}"], capsys)
+    rc, _, err = run_command([*args, f"--data.store={tmp_path / 'moved'}"], capsys)
     assert rc == 0 and (run / "summary.json").exists(), err
 
 
@@ -351,7 +346,7 @@ def test_train_refuses_a_damaged_store_with_status_2(how, lm_setup, tmp_path, ca
 def _assert_train_refuses(store, name, lm_setup, run, capsys):
     """`train` on the damaged `store` exits 2 naming data.store and the file, briefly,
     before the run dir is made."""
-    rc, _, err = _run(["train", f"--config={lm_setup['config']}",
+    rc, _, err = run_command(["train", f"--config={lm_setup['config']}",
                        f"--target.path={lm_setup['target']}", f"--data.store={store}",
                        f"--run_dir={run}"], capsys)
     assert rc == 2, err
@@ -365,7 +360,7 @@ def test_pretrain_refuses_a_damaged_store_with_status_2(how, lm_setup, tmp_path,
     store = _copy_store(lm_setup["store"], tmp_path / "store")
     name = _damage(store, how)
     out = tmp_path / "lm.safetensors"
-    rc, _, err = _run(["pretrain", f"--config={lm_setup['config']}", f"--store={store}",
+    rc, _, err = run_command(["pretrain", f"--config={lm_setup['config']}", f"--store={store}",
                        f"--output={out}"], capsys)
     assert rc == 2, err
     assert err.startswith("ppgd-tpu pretrain: error: --store: ")
@@ -409,7 +404,7 @@ def test_a_killed_pretrain_rerun_keeps_the_previous_weights_and_their_log(
     out = str(tmp_path / "lm.safetensors")
     log = lm_pretrain.metrics_path(out)
     base = [f"--config={lm_setup['config']}", f"--store={lm_setup['store']}", f"--output={out}"]
-    assert _run(["pretrain", *base], capsys)[0] == 0
+    assert run_command(["pretrain", *base], capsys)[0] == 0
     weights, metrics = open(out, "rb").read(), open(log).read()
     assert json.loads(metrics.splitlines()[-1])["step"] == 30
     assert not os.path.exists(log + ".partial")
@@ -442,7 +437,7 @@ def test_a_killed_pretrain_rerun_keeps_the_previous_weights_and_their_log(
     assert json.loads(open(partial).readline())["step"] == 0
 
     # A run that finishes replaces both, and leaves no partial log.
-    assert _run(["pretrain", *base, "--target.llama_simple_mlp.pretrain.steps=20"],
+    assert run_command(["pretrain", *base, "--target.llama_simple_mlp.pretrain.steps=20"],
                 capsys)[0] == 0
     steps = [json.loads(x)["step"] for x in open(log)]
     assert steps[-1] == 20 and open(out, "rb").read() != weights
@@ -463,7 +458,7 @@ def test_a_pretrain_stopped_by_sigterm_resumes_to_the_weights_and_log_of_a_strai
                 "--target.llama_simple_mlp.pretrain.eval_every=100", *more]
 
     straight = str(tmp_path / "straight.safetensors")
-    assert _run(["pretrain", *args(straight)], capsys)[0] == 0
+    assert run_command(["pretrain", *args(straight)], capsys)[0] == 0
     out = str(tmp_path / "lm.safetensors")
     state = lm_pretrain.resume_path(out)
     proc = subprocess.Popen([sys.executable, "-m", "ppgd_tpu", "pretrain", *args(out)],
@@ -484,20 +479,20 @@ def test_a_pretrain_stopped_by_sigterm_resumes_to_the_weights_and_log_of_a_strai
     stopped = int(re.search(r"pretraining stopped at step (\d+); ", err).group(1))
     assert 3 <= stopped < 300 and os.path.exists(state) and not os.path.exists(out), err
 
-    rc, _, err = _run(["pretrain", *args(out, "--target.llama_simple_mlp.pretrain.lr=0.02")],
+    rc, _, err = run_command(["pretrain", *args(out, "--target.llama_simple_mlp.pretrain.lr=0.02")],
                       capsys)
     assert rc == 2 and "target.llama_simple_mlp.pretrain.lr: 0.01 there, 0.02 here" in err, err
     assert os.path.exists(state)
     corpus = _corpus(tmp_path)  # lm_setup's store's
     for name in ("again", "other"):
-        assert _run(["tokenize", "--input", corpus, "--output", str(tmp_path / name),
+        assert run_command(["tokenize", "--input", corpus, "--output", str(tmp_path / name),
                      "--seq_len", "17"], capsys)[0] == 0
         (tmp_path / "corpus" / "doc4.txt").write_text("a dog sat on it.")  # other rows next
-    rc, _, err = _run(["pretrain", *args(out, store=tmp_path / "other")], capsys)
+    rc, _, err = run_command(["pretrain", *args(out, store=tmp_path / "other")], capsys)
     assert rc == 2 and f"--store: {tmp_path / 'other'} is not the store" in err, err
     assert "(its rows differ)" in err and os.path.exists(state)
 
-    rc, printed, err = _run(["pretrain", *args(out, store=tmp_path / "again")], capsys)
+    rc, printed, err = run_command(["pretrain", *args(out, store=tmp_path / "again")], capsys)
     assert rc == 0, err
     assert f"resuming the pretraining at step {stopped} from {state}" in printed
     assert not os.path.exists(state)
@@ -524,7 +519,7 @@ def test_on_gcs_the_sizes_are_recorded_and_checked_and_the_log_goes_with_the_wei
 
     out = f"{root}/lm.safetensors"
     monkeypatch.chdir(tmp_path)
-    assert _run(["pretrain", f"--config={lm_setup['config']}", f"--store={store}",
+    assert run_command(["pretrain", f"--config={lm_setup['config']}", f"--store={store}",
                  f"--output={out}", "--target.llama_simple_mlp.pretrain.steps=10"],
                 capsys)[0] == 0
     from ppgd_tpu import storage
@@ -535,6 +530,6 @@ def test_on_gcs_the_sizes_are_recorded_and_checked_and_the_log_goes_with_the_wei
 
     fs, p = tokens.fs_for(f"{store}/tokens/c/0/0")
     fs.pipe_file(p, fs.cat_file(p)[:1000])  # the shard object replaced by a cut-short one
-    rc, _, err = _run(["pretrain", f"--config={lm_setup['config']}", f"--store={store}",
+    rc, _, err = run_command(["pretrain", f"--config={lm_setup['config']}", f"--store={store}",
                        f"--output={tmp_path / 'x.safetensors'}"], capsys)
     assert rc == 2 and f"{store}/tokens/c/0/0 has 1000 bytes" in err, err

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_command
+
 from ppgd_tpu import checkpoint, launch_local
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +66,7 @@ def test_free_port_is_below_the_ephemeral_range_and_unseeded():
     assert len(set(ports)) > 1, ports
 
 def test_args_after_double_dash_reach_every_child_unchanged_with_module():
-    out = run([sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "3",
+    out = run([sys.executable, "-m", "ppgd_tpu", "launch-local", "--processes", "3",
                "--devices_per_process", "2", "--module", "tests.dist_echo", "--", *ARGS])
     assert out.returncode == 0, out.stdout + out.stderr
     check_echoes(out.stdout, 3, 2)
@@ -80,7 +82,7 @@ def test_shell_wrapper_passes_flags_and_args_through():
 
 
 def test_fail_fast_kills_the_others_and_names_the_failing_child(tmp_path):
-    out = run([sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2", "--exec", "--",
+    out = run([sys.executable, "-m", "ppgd_tpu", "launch-local", "--processes", "2", "--exec", "--",
                sys.executable, str(ROOT / "tests" / "dist_echo.py")],
               DIST_ECHO_MODE="fail", DIST_ECHO_DIR=str(tmp_path))
     assert out.returncode == 3, out.stdout + out.stderr
@@ -95,7 +97,7 @@ def test_the_others_end_on_their_own_before_being_killed(tmp_path):
     """A child told of another's failure says so and exits (a ppgd-tpu child: within
     dist.FAILURE_GRACE_S, by dist.report_failure); killed at once with the first failure,
     it could not say it (a refusal every process sees was then said by only some)."""
-    out = run([sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2", "--exec", "--",
+    out = run([sys.executable, "-m", "ppgd_tpu", "launch-local", "--processes", "2", "--exec", "--",
                sys.executable, str(ROOT / "tests" / "dist_echo.py")],
               DIST_ECHO_MODE="fail_told", DIST_ECHO_DIR=str(tmp_path))
     assert out.returncode == 3, out.stdout + out.stderr
@@ -105,7 +107,7 @@ def test_the_others_end_on_their_own_before_being_killed(tmp_path):
 
 def test_C5_signals_to_the_launcher_reach_all_children_which_stop_at_one_step():
     p = subprocess.Popen(
-        [sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2",
+        [sys.executable, "-m", "ppgd_tpu", "launch-local", "--processes", "2",
          "--devices_per_process", "2", "--exec", "--", sys.executable,
          str(ROOT / "tests" / "dist_worker.py"), "loop"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
@@ -147,7 +149,7 @@ def test_a_signal_before_the_loop_ends_the_job_as_stopped_not_as_a_failure(tmp_p
     would save): every child exits 130, and so does the launcher, saying the signal
     stopped the job (it exited 1 naming p1 as a failure: p0 told p1 to exit 1)."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2", "--", "train",
+        [sys.executable, "-m", "ppgd_tpu", "launch-local", "--processes", "2", "--", "train",
          f"--run_dir={tmp_path / 'run'}", "--decomp.steps=100", "--log.progress=false"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
@@ -190,7 +192,7 @@ def test_C5_children_of_a_launcher_that_dies_stop_and_save(tmp_path):
     times out (the run dir's lock released, so a second command could start beside them)."""
     run = tmp_path / "run"
     p = subprocess.Popen(
-        [sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2", "--", "train",
+        [sys.executable, "-m", "ppgd_tpu", "launch-local", "--processes", "2", "--", "train",
          f"--run_dir={run}", "--decomp.steps=200000", "--log.every=50", "--eval.every=0",
          "--log.progress=false", "--checkpoint.every=0"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
@@ -218,26 +220,29 @@ def test_C5_children_of_a_launcher_that_dies_stop_and_save(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--processes", "0"], "--processes=0: expected >= 1"),
-    (["--processes", "2", "--devices_per_process", "0"], "--devices_per_process=0: expected >= 1"),
-    (["--processes", "2", "--port", "70000"], "--port=70000"),
+    (["--processes", "0"], "--processes='0': use a whole number >= 1"),
+    (["--processes", "2", "--devices_per_process", "0"],
+     "--devices_per_process='0': use a whole number >= 1"),
+    (["--processes", "2", "--port", "70000"], "--port='70000': use a whole number from 0 to 65535"),
+    ([], "--processes: required (number of processes)"),
     (["--processes", "2", "--exec"], "no command after --"),
     (["--processes", "2"], "no command after --"),  # ran 2 children that printed the usage
     (["--processes", "2", "train", "--config", "x.yaml"],
-     "unrecognized arguments: train --config x.yaml (the command goes after `--`"),
+     "--config: unknown flag (see --helpfull); the command goes after `--`"),
+    (["--processes", "2", "train"], "unrecognized arguments: train (the command goes after `--`"),
     (["--processes", "1", "--exec", "--", "/nonexistent/x"],  # a FileNotFoundError traceback
      "--exec: '/nonexistent/x' is not an executable file or on PATH"),
 ])
 def test_bad_launcher_flags_are_refused_naming_the_flag(capsys, argv, message):
-    assert launch_local.main(argv) == 2
-    assert message in capsys.readouterr().err
+    rc, out, err = run_command(["launch-local", *argv], capsys)
+    assert rc == 2 and message in err and not out
 
 
 def test_a_refusal_every_process_sees_is_said_once_by_each(tmp_path):
     """A batch that does not divide over 3 processes: each one says the refusal (exit 2,
     the field named) once: its own line, or, when another refused first, that one's
     notice ("stopping: process 0: ..."), not its own line followed by the notice too."""
-    out = subprocess.run([sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "3",
+    out = subprocess.run([sys.executable, "-m", "ppgd_tpu", "launch-local", "--processes", "3",
                           "--", "train", f"--run_dir={tmp_path / 'r'}", "--data.batch_size=32",
                           "--eval.batch_size=30", "--log.progress=false"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT,

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppgd_tpu.cli import UsageError
+from ppgd_tpu.cmdline import UsageError
+from ppgd_tpu.commands import cmd_pretrain_lm
 from ppgd_tpu.config import ConfigError, from_dict, load
 from ppgd_tpu.data import tokenize
 from ppgd_tpu.data.schedule import train_eval_schedules
@@ -43,7 +44,7 @@ def store(tmp_path_factory):
 
 def test_pretrain_loss_falls_and_the_file_loads_back(store, tmp_path):
     out = str(tmp_path / "lm.safetensors")
-    assert lm_pretrain.main([*TINY, "--store", store, "--output", out]) == 0
+    assert cmd_pretrain_lm([*TINY, "--store", store, "--output", out]) == 0
     lines = [json.loads(x) for x in open(lm_pretrain.metrics_path(out))]
     evals = [x["eval/loss"] for x in lines if "eval/loss" in x]
     train = [x["train/loss"] for x in lines if "train/loss" in x]
@@ -69,18 +70,18 @@ def test_a_finished_pretraining_is_not_redone_and_another_replaces_it_said(store
     """The same command again found nothing to resume and trained every step again; one of
     another config replaced the file without a word."""
     out = str(tmp_path / "lm.safetensors")
-    assert lm_pretrain.main([*TINY, "--store", store, "--output", out]) == 0
+    assert cmd_pretrain_lm([*TINY, "--store", store, "--output", out]) == 0
     written = {p: open(p, "rb").read() for p in (out, lm_pretrain.metrics_path(out))}
     capsys.readouterr()
     cadences = ["--target.llama_simple_mlp.pretrain.log_every=5",  # not the weights
                 "--target.llama_simple_mlp.remat=true"]
-    assert lm_pretrain.main([*TINY, *cadences, "--store", store, "--output", out]) == 0
+    assert cmd_pretrain_lm([*TINY, *cadences, "--store", store, "--output", out]) == 0
     said = capsys.readouterr().out
     assert f"{out}: already complete: it holds the target of this config, pretrained on this " \
            "token store; nothing to do" in said
     assert {p: open(p, "rb").read() for p in written} == written
     longer = "--target.llama_simple_mlp.pretrain.steps=60"
-    assert lm_pretrain.main([*TINY, longer, "--store", store, "--output", out]) == 0
+    assert cmd_pretrain_lm([*TINY, longer, "--store", store, "--output", out]) == 0
     assert (f"{out} holds a target pretrained otherwise (target.llama_simple_mlp.pretrain."
             "steps: 50 there, 60 here); this pretraining replaces it") in capsys.readouterr().out
     assert open(out, "rb").read() != written[out]
@@ -91,18 +92,18 @@ def test_pretrain_refuses_what_the_lm_cannot_read(store, tmp_path):
     """... and a refusal leaves nothing: no lock file, no dir made for the output."""
     out = str(tmp_path / "new" / "dirs" / "lm.safetensors")
     with pytest.raises(ConfigError, match="vocab_size: 100 is smaller"):
-        lm_pretrain.main([*TINY, "--target.llama_simple_mlp.vocab_size=100", "--store", store,
+        cmd_pretrain_lm([*TINY, "--target.llama_simple_mlp.vocab_size=100", "--store", store,
                           "--output", out])
     with pytest.raises(ConfigError, match="max_seq_len: 8 is shorter"):
-        lm_pretrain.main([*TINY, "--target.llama_simple_mlp.max_seq_len=8", "--store", store,
+        cmd_pretrain_lm([*TINY, "--target.llama_simple_mlp.max_seq_len=8", "--store", store,
                           "--output", out])
     with pytest.raises(ConfigError, match="--store: no token store"):
-        lm_pretrain.main([*TINY, "--store", str(tmp_path / "nope"), "--output", out])
+        cmd_pretrain_lm([*TINY, "--store", str(tmp_path / "nope"), "--output", out])
     assert sorted(os.listdir(tmp_path)) == []
     os.makedirs(lm_pretrain.metrics_path(out))  # its log goes beside it: checked up front
     with pytest.raises(UsageError, match="--output: .*lm.safetensors needs .*lm.metrics.jsonl "
                                          "beside it, but .* exists and is not a file"):
-        lm_pretrain.main([*TINY, "--store", store, "--output", out])
+        cmd_pretrain_lm([*TINY, "--store", store, "--output", out])
     os.rmdir(lm_pretrain.metrics_path(out))
     with pytest.raises(ConfigError, match="target.kind"):
         lm_pretrain.pretrain_lm(from_dict(type(load(None).target), {"kind": "tms"}), store, out)
@@ -203,7 +204,7 @@ def test_a_stop_while_a_step_is_logged_resumes_to_the_straight_runs_log(store, t
     from ppgd_tpu.data.schedule import BatchSchedule
 
     straight = str(tmp_path / "straight.safetensors")
-    assert lm_pretrain.main([*TINY, "--store", store, "--output", straight]) == 0
+    assert cmd_pretrain_lm([*TINY, "--store", store, "--output", straight]) == 0
     out = str(tmp_path / "lm.safetensors")
     owner = BatchSchedule if stop_in == "epoch" else metrics
     real = getattr(owner, stop_in)
@@ -216,10 +217,10 @@ def test_a_stop_while_a_step_is_logged_resumes_to_the_straight_runs_log(store, t
 
     monkeypatch.setattr(owner, stop_in, stop_at_step_20)
     with pytest.raises(signals.Terminated):
-        lm_pretrain.main([*TINY, "--store", store, "--output", out])
+        cmd_pretrain_lm([*TINY, "--store", store, "--output", out])
     monkeypatch.undo()
     assert os.path.exists(lm_pretrain.resume_path(out))
-    assert lm_pretrain.main([*TINY, "--store", store, "--output", out]) == 0
+    assert cmd_pretrain_lm([*TINY, "--store", store, "--output", out]) == 0
     assert open(lm_pretrain.metrics_path(out)).read() == \
         open(lm_pretrain.metrics_path(straight)).read()
     got, want = safetensors_numpy.load_file(out), safetensors_numpy.load_file(straight)

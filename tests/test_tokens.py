@@ -9,13 +9,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import bpe_tokenizer
+from ppgd_tpu import cli
 from ppgd_tpu.data import tokens
-from ppgd_tpu.data.tokenize import BYTE_EOS, ByteTokenizer, HFTokenizer, expand_inputs, main, stdlib_glob
+from ppgd_tpu.data.tokenize import BYTE_EOS, ByteTokenizer, HFTokenizer, expand_inputs, stdlib_glob
 from ppgd_tpu.data.tokens import IncompleteStoreError, TokenStore, TokenStoreWriter
 
 DOCS = ["def f(x):\n    return x + 1\n", "naïve café — ünïcödé ✓\n", "", "x" * 700,
         "# last document\nprint('done')\n"]
 
+
+
+def main(argv: list[str]) -> int:
+    """`ppgd-tpu tokenize ARGV`: its exit status; a refusal's message on stderr."""
+    return cli.run(["tokenize", *argv])
 
 def _write_docs(tmp_path, docs=DOCS):
     d = tmp_path / "corpus"

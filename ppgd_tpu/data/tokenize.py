@@ -13,7 +13,6 @@ Files are read one at a time and rows streamed out, so memory stays bounded.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import glob
 import hashlib
@@ -28,7 +27,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from ppgd_tpu import lockfile, signals, storage
+from ppgd_tpu import cmdline, lockfile, signals, storage
 from ppgd_tpu.data.tokens import (LOCK_FILE, StoreWriteError, TokenStoreWriter, foreign_files,
                                   fs_for)
 
@@ -283,33 +282,28 @@ def tokenize(inputs: list[str], output: str, *, tokenizer: str = "byte", seq_len
 
 def main(argv: list[str]) -> int:
     """`ppgd-tpu tokenize ARGS` (argv excludes the program and subcommand names)."""
-    parser = argparse.ArgumentParser(
-        prog="ppgd-tpu tokenize",
-        description="Pack documents into fixed-length rows of a token store.")
-    parser.add_argument("--input", action="append", required=True, metavar="GLOB",
-                        help="text/parquet files (local or gs://, ** recursive; repeatable) "
-                             "or `stdlib` for this Python's standard-library sources")
-    parser.add_argument("--output", required=True, metavar="STORE",
-                        help="token store directory (local path or gs://bucket/prefix)")
-    parser.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
-                        help="`byte` (default) or a tokenizer.json (text input only)")
-    parser.add_argument("--seq_len", type=int, required=True, metavar="T",
-                        help="tokens per row")
-    parser.add_argument("--max_tokens", type=int, default=None, metavar="N",
-                        help="stop after N tokens (separators included; the document "
-                             "crossing N is cut there, without a separator)")
-    parser.add_argument("--vocab_size", type=int, default=None,
-                        help="parquet input: vocabulary size (default: largest id + 1)")
-    parser.add_argument("--eos_id", type=int, default=None,
-                        help="parquet input: separator id appended after each document")
+    args, positional = cmdline.parse_flags(argv, {
+        "input": cmdline.Flag(None, "text/parquet files (local or gs://, ** recursive) or "
+                              "`stdlib` for this Python's standard-library sources",
+                              repeated=True),
+        "output": (None, "token store directory (local path or gs://bucket/prefix)"),
+        "tokenizer": ("byte", "`byte` or a tokenizer.json (text input only)"),
+        "seq_len": (None, "tokens per row", cmdline.integer()),
+        "max_tokens": ("", "stop after N tokens (separators included; the document "
+                       "crossing N is cut there, without a separator)",
+                       cmdline.optional(cmdline.integer())),
+        "vocab_size": ("", "parquet input: vocabulary size (default: largest id + 1)",
+                       cmdline.optional(cmdline.integer())),
+        "eos_id": ("", "parquet input: separator id appended after each document",
+                   cmdline.optional(cmdline.integer()))},
+        "usage: ppgd-tpu tokenize --input GLOB [--input GLOB ...] --output STORE --seq_len T "
+        "[flags]\n\nPack documents into fixed-length rows of a token store.")
+    if positional:
+        raise cmdline.UsageError(f"unexpected arguments {positional}; give files with --input")
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse has printed the usage error (or --help)
-        return int(e.code or 0)
-    try:
-        tokenize(args.input, args.output, tokenizer=args.tokenizer, seq_len=args.seq_len,
-                 max_tokens=args.max_tokens, vocab_size=args.vocab_size, eos_id=args.eos_id)
+        tokenize(args["input"], args["output"], tokenizer=args["tokenizer"],
+                 seq_len=args["seq_len"], max_tokens=args["max_tokens"],
+                 vocab_size=args["vocab_size"], eos_id=args["eos_id"])
     except TokenizeError as e:
-        print(f"ppgd-tpu tokenize: error: {e}", file=sys.stderr)
-        return 2
+        raise cmdline.UsageError(str(e)) from None
     return 0

@@ -35,7 +35,7 @@ from absl import logging
 from safetensors import numpy as safetensors_numpy
 
 from ppgd_tpu import metrics as metrics_lib
-from ppgd_tpu import lockfile, signals, storage
+from ppgd_tpu import signals, storage
 from ppgd_tpu.config import ConfigError, TargetConfig, leaves
 from ppgd_tpu.data.schedule import train_eval_schedules
 from ppgd_tpu.data.tokens import DamagedStoreError, IncompleteStoreError, TokenStore
@@ -297,37 +297,3 @@ def pretrain_lm(cfg: TargetConfig, store_path: str, output: str, *,
         if remote and os.path.exists(partial):
             os.remove(partial)
     return summary
-
-
-def main(argv: list[str]) -> int:
-    """`ppgd-tpu pretrain --config C --store STORE [--output PATH] [--<field>=V ...]` for an
-    LM target (argv excludes the program and subcommand names)."""
-    from ppgd_tpu.cli import TARGET_OUTPUT, UsageError, parse_config_args, target_output
-
-    cfg, extra = parse_config_args(argv, {
-        "store": ("", "token store (from `ppgd-tpu tokenize`) to train the LM on"),
-        "output": TARGET_OUTPUT})
-    if not extra["store"]:
-        raise UsageError("--store: required for an LM target (a token store made by "
-                         "`ppgd-tpu tokenize`)")
-    out = target_output(cfg, extra["output"])
-    for side in (metrics_path(out), resume_path(out), lock_path(out)):  # beside it: checked alike
-        try:
-            storage.check_creatable(side, directory=False)
-        except ValueError as e:
-            raise UsageError(f"--output: {out} needs {side} beside it, but {e}") from None
-    def in_use(holder):
-        return UsageError(
-            f"--output: {out} is being written by another `ppgd-tpu pretrain` ({holder}, per "
-            f"{lock_path(out)}); two would interleave its log and resume state. Wait for it "
-            "to end, or stop it (SIGTERM saves its resume state) and re-run this command to "
-            "resume, or give another --output")
-
-    with lockfile.holding(lock_path(out), in_use):
-        summary = pretrain_lm(cfg.target, extra["store"], out, progress=cfg.log.progress)
-    if summary is None:
-        return 0
-    print(metrics_lib.table({k: v for k, v in summary.items() if k != "step"}))
-    print(f"saved the {cfg.target.kind} target to {out} (metrics: {metrics_path(out)}); use it "
-          f"with --target.path={out}")
-    return 0

@@ -6,25 +6,39 @@ Exit codes: 0 fine, 1 damage found (`verify` lists it all; `digest` stops at the
 
 from __future__ import annotations
 
-import argparse
 import posixpath
 import sys
 
+from ppgd_tpu import cmdline, storage
 from ppgd_tpu.checkpoint import audit
 from ppgd_tpu.checkpoint import manifest as mf
-from ppgd_tpu import storage
 from ppgd_tpu.workspace import CONFIG
 
+TOOLS = {"ls": "list steps (committed or not) and their size",
+         "digest": "per-leaf sha256 of the logical arrays + overall digest",
+         "verify": "read every checkpoint back and report damage"}
+USAGE = "usage: ppgd-tpu ckpt ls|digest|verify RUN_DIR\n\n" + "\n".join(
+    f"  {name:<7} {what}" for name, what in TOOLS.items())
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ppgd-tpu ckpt", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("ls", help="list steps (committed or not) and their size").add_argument("run_dir")
-    d = sub.add_parser("digest", help="per-leaf sha256 of the logical arrays + overall digest")
-    d.add_argument("run_dir")
-    d.add_argument("--step", type=int, default=None, help="default: latest committed step")
-    sub.add_parser("verify", help="read every checkpoint back and report damage").add_argument("run_dir")
-    return p
+
+def _parse(argv: list[str]) -> tuple[str, str, int | None]:
+    """-> (tool, run dir, --step); a bad command line raises cmdline.UsageError."""
+    if not argv or argv[0] not in TOOLS:
+        _, positional = cmdline.parse_flags(argv, {}, USAGE)  # --helpfull: the usage
+        raise cmdline.UsageError(f"{positional[0]!r}: not a tool; one of {', '.join(TOOLS)}"
+                                 if positional else f"which tool? one of {', '.join(TOOLS)} "
+                                 "(e.g. ppgd-tpu ckpt ls RUN_DIR)")
+    tool = argv[0]
+    own = {"step": ("", "a committed step (default: the latest)",
+                    cmdline.optional(cmdline.integer(0)))} if tool == "digest" else {}
+    values, positional = cmdline.parse_flags(
+        argv[1:], own, f"usage: ppgd-tpu ckpt {tool} RUN_DIR{' [--step N]' * bool(own)}: "
+        f"{TOOLS[tool]}")
+    if len(positional) != 1:
+        raise cmdline.UsageError(f"RUN_DIR: one run directory, got {' '.join(positional)!r}"
+                                 if positional else
+                                 f"RUN_DIR: which run? e.g. ppgd-tpu ckpt {tool} runs/tms52")
+    return tool, positional[0], values.get("step")
 
 
 def _not_a_run_dir(run_dir: str, given: str) -> str:
@@ -40,26 +54,23 @@ def _not_a_run_dir(run_dir: str, given: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    tool, given, step = _parse(argv)
     try:
-        args = _parser().parse_args(argv)
-    except SystemExit as e:  # argparse already printed the usage error
-        return int(e.code or 0)
-    try:
-        run_dir = storage.normalize(args.run_dir)
+        run_dir = storage.normalize(given)
         if not storage.exists(mf.ckpts_dir(run_dir)):
             raise FileNotFoundError(f"{mf.ckpts_dir(run_dir)} does not exist; "
-                                    + _not_a_run_dir(run_dir, args.run_dir))
+                                    + _not_a_run_dir(run_dir, given))
         if not mf.list_steps(run_dir):  # an empty ckpts/, or a file in its place
             raise FileNotFoundError(f"{mf.ckpts_dir(run_dir)} holds no checkpoint (no step "
                                     "directory): nothing to list or check")
-        if args.cmd == "ls":
+        if tool == "ls":
             print(f"{'step':>10}  {'state':<10}  {'bytes':>14}  path")
             for e in audit.ls(run_dir):
                 state = "committed" if e.committed else "INCOMPLETE"
                 print(f"{e.step:>10}  {state:<10}  {e.bytes:>14}  {e.path}")
             return 0
-        if args.cmd == "digest":
-            d = audit.digest(run_dir, args.step)
+        if tool == "digest":
+            d = audit.digest(run_dir, step)
             for name, h in d.leaves.items():
                 print(f"{h}  {name}")
             print(f"{d.overall}  step {d.step} overall")
@@ -72,13 +83,9 @@ def main(argv: list[str]) -> int:
                 print(f"  {p}")
         return 1 if any(r.damaged for r in report) else 0
     except mf.DamagedCheckpoint as e:
-        print(f"ppgd-tpu ckpt {args.cmd}: {e} (`ppgd-tpu ckpt verify {args.run_dir}` lists "
+        print(f"ppgd-tpu ckpt {tool}: {e} (`ppgd-tpu ckpt verify {given}` lists "
               "all the damage)", file=sys.stderr)
         return 1
     except (FileNotFoundError, ValueError) as e:
-        print(f"ppgd-tpu ckpt {args.cmd}: {e}", file=sys.stderr)
+        print(f"ppgd-tpu ckpt {tool}: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
