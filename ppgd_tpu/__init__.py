@@ -13,8 +13,8 @@ def __getattr__(name: str):
     """`load_decomposition` (the consumer API: a run's final components as numpy,
     {site: {"V": [d_in, C], "U": [C, d_out]}}), `load_run` (the same with the run's CI
     function; both consumer.py) and `__version__`, imported
-    when asked: JAX's import, and importlib.metadata's ~25 ms, would cost the CLI's
-    start-up (its signal handlers wait for this package's import)."""
+    when asked: JAX's import, and importlib.metadata's, would cost the CLI's start-up (its
+    signal handlers wait for this package's import)."""
     if name == "load_decomposition":
         from ppgd_tpu.consumer import load_decomposition
 

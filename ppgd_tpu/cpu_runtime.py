@@ -1,17 +1,16 @@
-"""Process-level settings for running XLA:CPU well. Each was measured with `ppgd-tpu bench
-step` on the toy configs.
+"""Process-level settings for running XLA:CPU well (each measured with `ppgd-tpu bench
+step` on the toy configs: docs/performance-log.md).
 
 - Host allocator: XLA:CPU allocates every step's temporaries with malloc. glibc serves
   blocks above its mmap threshold (128 KiB, adapting up to 32 MiB) with fresh mmaps and
-  unmaps them on free, so each step page-faults and zeroes its whole working set again
-  (40% of a TMS 5-2 step: 25 ms -> 15 ms). Raising the mmap and trim thresholds keeps those
-  blocks in the heap, reused step after step.
+  unmaps them on free, so each step would page-fault and zero its whole working set again.
+  Raising the mmap and trim thresholds keeps those blocks in the heap, reused step after
+  step.
 - XLA:CPU's YNN reduction fusions take only materialised operands, so every elementwise
   producer of a reduction (the per-component CI MLP's [B, C, h] hidden layer) is written to
-  memory first; without them XLA fuses producer and reduction (-20% CPU time on TMS 5-2).
-  Its single dots are slower than XLA:CPU's own (Eigen) on the toys' skinny matmuls
-  ([4096, 5] x [5, 20]: ~40 of them a TMS step): without them the TMS 5-2 ref step is
-  15-25% faster, ResidMLP-1 ~4%, the LM demo the same (A/B in alternating processes).
+  memory first; without them XLA fuses producer and reduction. Its single dots are slower
+  than XLA:CPU's own (Eigen) on the toys' skinny matmuls ([4096, 5] x [5, 20]); both are
+  turned off (XLA_CPU_FLAGS).
 
 The XLA flag changes how sums are fused and dots computed, hence float results: it is set
 when `ppgd_tpu` is imported (before JAX creates its backends), so the CLI, the Python API and

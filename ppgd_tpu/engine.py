@@ -64,8 +64,8 @@ def check_decomposition_finite(step: int, state: TrainState) -> None:
                                    f"non-finite values; {DIVERGED}")
 
 
-# Steps of the faithfulness warmup per dispatch: a stop is seen between two (~5 ms of a toy
-# target's warmup; more for an LM's sites); few enough dispatches not to cost.
+# Steps of the faithfulness warmup per dispatch: a stop is seen between two dispatches, so a
+# dispatch must be short; few enough dispatches not to cost.
 WARMUP_PART = 1000
 
 
@@ -345,8 +345,7 @@ def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState,
     The final checkpoint is committed, so a signal from here on ends the command at once
     (re-run, it redoes only this): the StopSignal, which only notes signals for a step
     boundary, hands them back, and one it noted since the loop's last boundary (or on a
-    resume that had no step left) is delivered now. Before, the final eval of an LM took
-    minutes in which Ctrl-C did nothing and said nothing."""
+    resume that had no step left) is delivered now [C5]: a long final eval stops on Ctrl-C."""
     stop.close()
     for name in stop.signals_received[:1]:
         signal.raise_signal(signal.Signals[name])

@@ -2,30 +2,25 @@
 
 out_c = sum_h w2[c,h] gelu(a_c w1[c,h] + b1[c,h]) + b2[c] over rows of a [*lead, C]: a pure
 elementwise-and-reduce over a hidden layer of h values per row and component, which XLA:CPU
-runs poorly as written, so on CPU (measured with `ppgd-tpu bench step`):
+runs poorly as written, so on CPU (what each choice measured: docs/performance-log.md):
 
-- rows whose inputs are all exactly zero (TMS: 77% of a batch, every feature off) all have the
-  output f(0) and the input gradient g * f'(0), so only the live rows go through the MLP:
-  gathered live-rows-first into fixed-size chunks and run by a `fori_loop` whose trip count
-  is the number of chunks holding live rows (one compiled body, any live fraction). Exact:
-  the same per-row arithmetic, the weight-gradient sums only reassociated (~2.4x on the TMS
-  CI fn's forward + backward);
+- rows whose inputs are all exactly zero (a toy batch's rows with every feature off) all
+  have the output f(0) and the input gradient g * f'(0), so only the live rows go through
+  the MLP: gathered live-rows-first into fixed-size chunks and run by a `fori_loop` whose
+  trip count is the number of chunks holding live rows (one compiled body, any live
+  fraction). Exact: the same per-row arithmetic, the weight-gradient sums only reassociated;
 - the forward sums over h unrolled, h terms of [rows, C] elementwise ops: one fused
-  elementwise pass that never forms the hidden layer (against a reduction over a
-  [rows, h, C] hidden layer: `bench step`'s ci_fn_ms 0.8x on ResidMLP-1 ref, 0.75x on TMS
-  5-2 ref; the output reassociated, within 2e-7 relative). The backward unrolled the same
-  way (its three row sums per hidden unit then 3h reductions, ~200 kernels per chunk) ran
-  no faster, so it keeps the layer;
+  elementwise pass that never forms the hidden layer (the output reassociated, within 2e-7
+  relative of a reduction over the layer). The backward keeps the layer (unrolled the same
+  way it ran no faster);
 - the backward recomputes the hidden layer chunk by chunk and accumulates the weight
-  gradients, so the working set stays in cache (~2x on the backward);
+  gradients, so the working set stays in cache;
 - the backward's hidden layer is laid out [rows, h, C], so every sum (over h; over rows for
-  the weight gradients) is over a non-minor axis, which XLA:CPU vectorises along C; laid out
-  [rows, C, h] it reduced the minor h lane by lane (the backward 1.6x slower; the TMS 5-2
-  ref step 1.3x, ResidMLP-1 1.2x; [h, rows, C] ~1.04x; bit-identical results);
+  the weight gradients) is over a non-minor axis, which XLA:CPU vectorises along C (laid out
+  [rows, C, h] it reduces the minor h lane by lane; bit-identical results either way);
 - narrow sites share one call (`site_mlps`), concatenated on C: each call pays for finding
-  its live rows and for its chunk loop whatever its width (TMS 5-2 ref step 0.87x with its
-  two 20-component sites together; ResidMLP-1's two 100-component sites each fill a chunk on
-  their own and run 1.02-1.06x slower together, so they do not).
+  its live rows and for its chunk loop whatever its width; sites that fill a chunk on their
+  own run alone.
 
 Off CPU the whole batch goes through in one chunk: accelerators fuse the pass.
 """

@@ -4,7 +4,7 @@ A row whose every site input is exactly zero on the clean path has its masked ou
 its clean output whatever the masks, routes or sources: `site_out(0) = ((0 V) * m) U + (0 W) d
 = 0 = 0 W`, so by induction every later site sees its clean input (rows of a position-less toy
 never mix). Its divergence term is 0 and so is every gradient through it (the divergence's
-gradient at an output equal to the clean one is 0). TMS 5-2 at p = 0.05: 77% of a batch.
+gradient at an output equal to the clean one is 0).
 
 So on CPU the recon forwards of a position-less target run on the live rows only, gathered
 live-first into a static number of rows sized from the probability that a row is live (the
@@ -16,9 +16,8 @@ rows, reassociated; the full-batch branch is exactly the un-gathered computation
 
 The CI fn (when it trains this step) runs in the same branch on the same rows plus ONE
 all-zero row: a toy CI fn reads site inputs only and maps rows independently, so every dead
-row has that row's CI, and imp-min counts it rows - k times (`Subset.counts`). Its forward
-and backward then run on ~1/4 of a TMS batch instead of all of it (0.87 -> 0.72 of the
-all-rows step, `ppgd-tpu bench step`)."""
+row has that row's CI, and imp-min counts it rows - k times (`Subset.counts`). What it saves:
+`ppgd-tpu bench step`'s live-rows A/B; docs/performance-log.md."""
 
 from __future__ import annotations
 
@@ -98,8 +97,8 @@ def _map_rows(fn, tree, n: int):
 def rows_before(live):
     """Live rows before each row of `live` [rows] (an exclusive prefix count), as two small
     triangular matmuls over a [rows / b, b] view: XLA:CPU lowers a cumsum (which
-    `jnp.nonzero` runs twice) as dozens of reduce-windows, 6% of a TMS step. 0/1 sums below
-    2**24 are exact in fp32."""
+    `jnp.nonzero` runs twice) as dozens of reduce-windows. 0/1 sums below 2**24 are exact
+    in fp32."""
     rows = live.shape[0]
     b = max(8, math.ceil(math.sqrt(rows) / 8) * 8)
     nb = -(-rows // b)
@@ -115,7 +114,7 @@ def sizes(rows: int, p_live: float | None) -> tuple[int, ...]:
     with known probability `p_live`) a binomial mean + 6 sd bound on the live rows, a
     multiple of 8, if that is at most half the batch. One extra branch only: each compiles
     the whole recon part. Above half the gathers, the scatters of their gradients and the
-    switch's copies cost more than the rows save (ResidMLP-1 ref, 70% of its rows: 1.05x)."""
+    switch's copies cost more than the rows save."""
     if p_live is None:
         return (rows,)
     mean = rows * p_live

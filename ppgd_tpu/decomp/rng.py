@@ -1,25 +1,24 @@
 """The decomposition's random draws, bit-identical to `jax.random.uniform` / `normal` but cheaper.
 
+Contract [R1]: every draw is a pure function of (key, flat element index), bit-identical
+to JAX's own (tests/test_math.py), so no trajectory depends on which of the two drew it or on
+how the drawn array is sharded.
+
 Uniforms are written as plain jnp integer ops (below). Normals are drawn flat and reshaped:
 threefry's counter is the element's flat index either way, and XLA:CPU compiles JAX's draw
-over a rank-3+ shape ~10x slower than over the same elements flat (2.4 s vs 0.25 s for
-[8, 16, 9]; a tiny LM's CI-transformer and adversary init took 14 s to compile, 3 s flat).
+over a rank-3+ shape far slower than over the same elements flat.
 
-The stochastic masks draw B x (C + 1) uniforms per masked site and forward (TMS 5-2 ref: four
-[4096, 21] draws a step). JAX lowers its threefry hash on CPU as a rolled 5-iteration loop
-whose carries are copied every iteration: ~1.3 ms per such draw, a third of a TMS step. The
-same hash unrolled here fuses into one elementwise loop (~0.3 ms), and because it is the same
-function of (key, flat index) the bits, hence every trajectory, are unchanged [R1]; the
-counter is the element's flat index, so a draw does not depend on how it is sharded. On CPU
-each mask draw is also materialised once (`uniform(once=True)`): XLA:CPU otherwise recomputed
-the hash in every fusion reading the mask (TMS 5-2 ref step -14%, ResidMLP -7%). The toy
-batches (data/toy.py) draw their on/off and values the same way, each read once (TMS ref
-batch: 1.0 -> 0.19 -> 0.09 ms).
+The stochastic masks draw B x (C + 1) uniforms per masked site and forward. JAX lowers its
+threefry hash on CPU as a rolled 5-iteration loop whose carries are copied every iteration;
+the same hash unrolled here fuses into one elementwise loop. On CPU each mask draw is also
+materialised once (`uniform(once=True)`): XLA:CPU otherwise recomputes the hash in every
+fusion reading the mask. The toy batches (data/toy.py) draw their on/off and values the same
+way, each read once.
 Keys stay JAX's (`fold_in`, `split`): their rolled loop materialises each key, whereas an
 unrolled key hash is a cheap scalar producer that XLA fuses into every element of the draws
-consuming it (measured: TMS step 12 -> 58 ms).
+consuming it.
 Keys of another PRNG implementation, or JAX's non-partitionable threefry mode, fall back to
-`jax.random.uniform`.
+`jax.random.uniform`. What each choice measured: docs/performance-log.md.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ def uniform(key, shape: tuple[int, ...], minval: float = 0.0, maxval: float = 1.
     == jax.random.uniform(key, shape, minval=minval, maxval=maxval) (in the same jit).
     With `rows` (int [k]) only those indices of the first axis are drawn: == uniform(...)[rows].
     `once`: the draw is read by several fusions (a stochastic mask): on CPU compute it once
-    (below). Elsewhere that costs a pass (a toy batch's draws: 0.72 -> 0.46 ms a ResidMLP batch)."""
+    (below). Elsewhere that costs a pass, so a draw read once (a toy batch's) leaves it off."""
     n = math.prod(shape)
     if not _is_threefry(key) or n >= 2**32 - 1:
         out = jax.random.uniform(key, shape, minval=minval, maxval=maxval)
