@@ -1,12 +1,23 @@
-"""ppgd_tpu: rank-1 parameter decomposition of frozen networks (SPEC.md)."""
+"""ppgd_tpu: rank-1 parameter decomposition of frozen networks (SPEC.md).
 
-from ppgd_tpu import cpu_runtime as _cpu_runtime
+Importing it changes nothing in the process. The `ppgd-tpu` entry point sets the process up
+for XLA:CPU (cpu_runtime.py); a Python user who wants the programs a `ppgd-tpu` command
+compiles (results bitwise comparable with its runs [C3]) calls `configure_cpu()` first,
+before JAX is imported.
+"""
 
-_cpu_runtime.skip_tpu_probe()  # the `tpu` extra on a CPU host: compute on CPU, no probe
-_cpu_runtime.add_xla_cpu_flags()  # before JAX creates its backends: same programs everywhere
+__all__ = ["configure_cpu", "load_decomposition", "load_run"]
 
 
-__all__ = ["load_decomposition", "load_run"]
+def configure_cpu() -> None:
+    """What the `ppgd-tpu` entry point does before JAX starts (cpu_runtime.configure): with
+    libtpu installed but no TPU attached, JAX_PLATFORMS=cpu (no TPU probe); when JAX
+    computes on CPU, the XLA:CPU flags of cpu_runtime.XLA_CPU_FLAGS. Settings the user made
+    (JAX_PLATFORMS, the flags in XLA_FLAGS) win. Call it before importing JAX: JAX reads
+    both when it is imported / creates its backends (a warning says when it was too late)."""
+    from ppgd_tpu import cpu_runtime
+
+    cpu_runtime.configure()
 
 
 def __getattr__(name: str):

@@ -5,7 +5,8 @@ how it ended.
 Every config field is an absl flag named by its dotted path (`--decomp.steps=2000`), typed
 by the schema; `--helpfull` lists them. A refused input (unknown flag, wrong type, out of
 range, inconsistent) exits with status 2 and one message naming the field, before any
-compute and without touching an existing run directory.
+compute and without touching an existing run directory. Before any command, the process is
+set up for XLA:CPU (cpu_runtime.configure) and JAX's compile cache.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ def _interrupted() -> None:
 def _setup() -> None:
     from ppgd_tpu import cache, cpu_runtime
 
+    cpu_runtime.configure()  # before JAX is imported: it reads JAX_PLATFORMS then
     cpu_runtime.keep_step_buffers()
     cache.enable_compile_cache()  # imports JAX
     flags.FLAGS.mark_as_parsed()  # ours parse per command; absl's own need only defaults

@@ -12,12 +12,14 @@ step` on the toy configs: docs/performance-log.md).
   than XLA:CPU's own (Eigen) on the toys' skinny matmuls ([4096, 5] x [5, 20]); both are
   turned off (XLA_CPU_FLAGS).
 
-The XLA flag changes how sums are fused and dots computed, hence float results: it is set
-when `ppgd_tpu` is imported (before JAX creates its backends), so the CLI, the Python API and
-tests compile the same programs and resume bitwise [C3]. The allocator setting changes no
-result and is made by the `ppgd-tpu` entry point only. Both are skipped when the user set them
-(MALLOC_* variables; the flag in XLA_FLAGS); the flag also on hosts with an accelerator
-plugin, where JAX does not compute on CPU.
+The XLA flag changes how sums are fused and dots computed, hence float results: `configure`
+sets it (and JAX_PLATFORMS where libtpu is installed on a host without a TPU) in the
+`ppgd-tpu` entry point before JAX is imported, and in tests/conftest.py; a Python user calls
+it as `ppgd_tpu.configure_cpu()`, so the CLI, the Python API and tests compile the same
+programs and resume bitwise [C3]. Importing `ppgd_tpu` sets nothing. The allocator setting
+changes no result and is made by the entry point only. Both are skipped when the user set
+them (MALLOC_* variables; the flag in XLA_FLAGS); the flag also on hosts with an
+accelerator plugin, where JAX does not compute on CPU.
 """
 
 from __future__ import annotations
@@ -98,6 +100,14 @@ def add_xla_cpu_flags(env=os.environ) -> None:
         from jax._src import xla_bridge
 
         if xla_bridge.backends_are_initialized():
-            warnings.warn("ppgd_tpu imported after JAX created its backends: XLA_FLAGS "
-                          f"{' '.join(extra)} not applied; import ppgd_tpu first for results "
-                          "bitwise comparable with `ppgd-tpu` runs", stacklevel=3)
+            warnings.warn("ppgd_tpu.configure_cpu() called after JAX created its backends: "
+                          f"XLA_FLAGS {' '.join(extra)} not applied; call it before JAX "
+                          "computes for results bitwise comparable with `ppgd-tpu` runs",
+                          stacklevel=4)
+
+
+def configure(env=os.environ) -> None:
+    """The process's XLA:CPU setup, before JAX is imported: skip_tpu_probe, then
+    add_xla_cpu_flags (`ppgd_tpu.configure_cpu()`; the `ppgd-tpu` entry point)."""
+    skip_tpu_probe(env)
+    add_xla_cpu_flags(env)

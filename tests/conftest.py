@@ -1,6 +1,10 @@
 import os
 import struct
 
+import ppgd_tpu
+
+ppgd_tpu.configure_cpu()  # before anything imports JAX: the programs `ppgd-tpu` compiles [C3]
+
 import numpy as np
 import pytest
 

@@ -6,6 +6,10 @@ source gradient == the average of per-shard gradients [D1]."""
 import json
 import sys
 
+import ppgd_tpu
+
+ppgd_tpu.configure_cpu()  # before JAX is imported: the programs a `ppgd-tpu` command compiles
+
 import jax
 import numpy as np
 

@@ -864,7 +864,8 @@ def test_S2_resid_mlp_factored_residual_equals_the_dense_forward(n_layers):
 
 
 _SHARDED_CI_MLP = """
-import ppgd_tpu, jax, jax.numpy as jnp
+import ppgd_tpu; ppgd_tpu.configure_cpu()
+import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ppgd_tpu.decomp.component_mlp import component_mlp, chunk_rows
 ks = jax.random.split(jax.random.key(0), 6); C, h, B = 20, 16, 4096
