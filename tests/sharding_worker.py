@@ -13,6 +13,7 @@ ppgd_tpu.configure_cpu()  # before JAX is imported: the programs a `ppgd-tpu` co
 import jax
 import numpy as np
 
+from helpers import max_rel
 from ppgd_tpu import config as config_lib
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu.config import ImpMinConfig
@@ -24,11 +25,6 @@ from ppgd_tpu.resume import state_leaves
 
 def n_shards(x) -> int:
     return len({str(s.index) for s in x.addressable_shards})
-
-
-def max_rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(a)) + 1e-30))
 
 
 def main(config_path: str) -> None:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import config
 from ppgd_tpu.config import Config, ImpMinConfig, PersistentPGDTerm, Schedule, StochasticTerm
 from ppgd_tpu.decomp import adversary, ci_fn, component_mlp, components, losses, rng, schedules
 from ppgd_tpu.decomp.divergence import kl
@@ -506,8 +507,8 @@ def test_S21_faithfulness_warmup_reduces_faithfulness_only():
     from ppgd_tpu.step import Decomposer
 
     cfg = _tiny_cfg()
-    cfg = dataclasses.replace(cfg, decomp=dataclasses.replace(
-        cfg.decomp, faithfulness_warmup_steps=50, faithfulness_warmup_lr=1e-2))
+    cfg = config({"decomp.faithfulness_warmup_steps": 50, "decomp.faithfulness_warmup_lr": 1e-2},
+                 base=cfg)
     t = _toy_target()
     dec = Decomposer(cfg, t, (32, 5))
     s0 = dec.init(t)
@@ -544,8 +545,8 @@ def test_tied_sites_stay_the_transposed_source_through_warmup_and_steps():
     from ppgd_tpu.step import Decomposer
 
     cfg = _tiny_cfg()
-    cfg = dataclasses.replace(cfg, decomp=dataclasses.replace(
-        cfg.decomp, tie={"linear2": "linear1"}, faithfulness_warmup_steps=5))
+    cfg = config({"decomp.tie.linear2": "linear1", "decomp.faithfulness_warmup_steps": 5},
+                 base=cfg)
     t = _toy_target()
     dec = Decomposer(cfg, t, (32, 5))
     x = t.sample(jax.random.key(5), 32)
@@ -676,8 +677,7 @@ def test_N1_bf16_compute_keeps_fp32_masters_and_fp32_losses():
     from ppgd_tpu.step import Decomposer
 
     cfg = _tiny_cfg()
-    cfg = dataclasses.replace(cfg, decomp=dataclasses.replace(cfg.decomp,
-                                                              compute_dtype="bfloat16"))
+    cfg = config({"decomp.compute_dtype": "bfloat16"}, base=cfg)
     t = _toy_target()
     dec = Decomposer(cfg, t, (32, 5))
     state = dec.init(t)
@@ -713,8 +713,7 @@ def test_N2_a_bf16_forward_stays_bf16_under_fp32_masks():
     from ppgd_tpu.step import Decomposer, _cast
 
     cfg = _tiny_cfg()
-    cfg = dataclasses.replace(cfg, decomp=dataclasses.replace(cfg.decomp,
-                                                              compute_dtype="bfloat16"))
+    cfg = config({"decomp.compute_dtype": "bfloat16"}, base=cfg)
     from ppgd_tpu.config import TMSConfig
 
     t = tms.init(TMSConfig(n_features=6, n_hidden=3, n_identity_layers=1), jax.random.key(0))
@@ -992,8 +991,7 @@ def test_step_on_the_live_rows_equals_the_full_batch_step(kind, data_p, size, ci
         fresh_pgd={"fresh": FreshPGDTerm(n_steps=3, scope="bsc")},
         imp_min=ImpMinConfig(coeff=3e-3, p=Schedule("constant", 1.0), freq_coeff=1e-3,
                              reference_token_count=256.0))
-    cfg = dataclasses.replace(cfg, decomp=dataclasses.replace(
-        cfg.decomp, ci_fn=dataclasses.replace(cfg.decomp.ci_fn, kind=ci_kind)))
+    cfg = config({"decomp.ci_fn.kind": ci_kind}, base=cfg)
     if kind == "tms":
         t, fp = tms.init(TMSConfig(feature_probability=0.05), jax.random.key(0)), 0.05
     else:

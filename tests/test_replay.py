@@ -1,7 +1,6 @@
 """Replay windows (SPEC 7) on the TMS toy: the step variants [W3], the controller's modes
 [W1, W2], the in-step CI LR [W4] and donation [W5]."""
 
-import dataclasses
 import math
 import warnings
 
@@ -10,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppgd_tpu.config import Config, ConfigError, PersistentPGDTerm, Schedule, TMSConfig, load
+from helpers import assert_same, config, leaves
+from ppgd_tpu.config import Config, ConfigError, TMSConfig, load
 from ppgd_tpu.decomp.schedules import schedule_value
 from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import Decomposer, Envelope
@@ -20,17 +20,14 @@ K = 4
 
 
 def _cfg(mode="every", k=K, ci_kind="per_component_mlp", ppgd=True, rows=64):
-    cfg = Config()
-    terms = {"ppgd": PersistentPGDTerm(coeff=0.5, scope="bsc", n_warmup=1)} if ppgd else {}
-    return dataclasses.replace(
-        cfg,
-        data=dataclasses.replace(cfg.data, batch_size=rows, train_batch_replay=k,
-                                 replay_ci_update=mode),
-        loss=dataclasses.replace(cfg.loss, persistent_pgd=terms),
-        decomp=dataclasses.replace(
-            cfg.decomp, steps=40, sites={"*": 6},
-            ci_fn=dataclasses.replace(cfg.decomp.ci_fn, detach_inputs=True, kind=ci_kind),
-            lr_ci_fn=Schedule("cosine", 1e-2, warmup_steps=8, final_frac=0.1)))
+    ppgd_term = {"loss.persistent_pgd.ppgd.coeff": 0.5, "loss.persistent_pgd.ppgd.scope": "bsc",
+                 "loss.persistent_pgd.ppgd.n_warmup": 1} if ppgd else {}
+    return config({
+        "data.batch_size": rows, "data.train_batch_replay": k, "data.replay_ci_update": mode,
+        **ppgd_term, "decomp.steps": 40, "decomp.sites.*": 6,
+        "decomp.ci_fn.detach_inputs": True, "decomp.ci_fn.kind": ci_kind,
+        "decomp.lr_ci_fn.kind": "cosine", "decomp.lr_ci_fn.value": 1e-2,
+        "decomp.lr_ci_fn.warmup_steps": 8, "decomp.lr_ci_fn.final_frac": 0.1})
 
 
 @pytest.fixture(scope="module")
@@ -46,27 +43,15 @@ def _setup(target, mode="every", ci_kind="per_component_mlp", ppgd=True):
     return cfg, dec, state, batch
 
 
-def _leaves(tree):
-    return [np.asarray(x) for x in jax.tree.leaves(tree)]
-
-
-def _assert_same(a, b, **tol):
-    for x, y in zip(_leaves(a), _leaves(b), strict=True):
-        if tol:
-            np.testing.assert_allclose(x, y, **tol)
-        else:
-            np.testing.assert_array_equal(x, y)
-
-
 def test_W3_repeat_matches_full_for_components_and_adversary_and_spares_ci(target):
     _, dec, state, batch = _setup(target)
     full, _ = dec.full(state, target, batch)
     env = dec.compute_ci(target, state, batch)
     rep, metrics = dec.repeat((target, env), state, batch)
-    _assert_same(rep.components, full.components, rtol=1e-6, atol=1e-9)
-    _assert_same(rep.adversaries, full.adversaries, rtol=1e-6, atol=1e-9)
-    _assert_same(rep.ci_fn, state.ci_fn)  # bit-untouched
-    _assert_same(rep.opt_ci_fn, state.opt_ci_fn)
+    assert_same(rep.components, full.components, rtol=1e-6, atol=1e-9)
+    assert_same(rep.adversaries, full.adversaries, rtol=1e-6, atol=1e-9)
+    assert_same(rep.ci_fn, state.ci_fn)  # bit-untouched
+    assert_same(rep.opt_ci_fn, state.opt_ci_fn)
     assert "train/grad_norms/summary/ci_fn" not in metrics  # absent when the CI fn is not updated
     assert "train/loss/imp_min" in metrics  # still evaluated from the cached upper
 
@@ -74,7 +59,7 @@ def test_W3_repeat_matches_full_for_components_and_adversary_and_spares_ci(targe
 def test_compute_ci_equals_the_full_step_envelope(target):
     _, dec, state, batch = _setup(target)
     _, env, _ = dec.full_keep(state, target, batch)
-    _assert_same(dec.compute_ci(target, state, batch), env, rtol=1e-6, atol=1e-7)
+    assert_same(dec.compute_ci(target, state, batch), env, rtol=1e-6, atol=1e-7)
 
 
 def _run(target, mode, steps, ci_kind="per_component_mlp", ppgd=True, rows=64,
@@ -98,15 +83,15 @@ def test_W2_last_follows_first_on_components_and_sources_and_its_update_is_a_pla
     # before any CI update both modes use the pre-window envelope: same V/U/source trajectory
     # up to the last step of the window, where `last` trains the CI fn
     for t in range(1, K):
-        _assert_same(last_states[t].components, first_states[t].components, rtol=1e-6, atol=1e-9)
+        assert_same(last_states[t].components, first_states[t].components, rtol=1e-6, atol=1e-9)
         # two programs (compute_ci vs the step's own CI forward) fuse the CI fn differently:
         # ulp-level envelope differences, which Adam's normalisation lifts to ~1e-8 absolute
-        _assert_same(last_states[t].adversaries, first_states[t].adversaries, rtol=1e-6,
+        assert_same(last_states[t].adversaries, first_states[t].adversaries, rtol=1e-6,
                      atol=1e-7)
     # its CI update equals a plain step's at the same pre-step state
     plain, _ = dec.full(last_states[K - 1], target, target.sample(jax.random.key(0), 64))
-    _assert_same(last_end.ci_fn, plain.ci_fn, rtol=1e-6, atol=1e-9)
-    _assert_same(last_end.components, plain.components, rtol=1e-6, atol=1e-9)
+    assert_same(last_end.ci_fn, plain.ci_fn, rtol=1e-6, atol=1e-9)
+    assert_same(last_end.components, plain.components, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("ci_kind", ["per_site_mlp", "per_component_mlp"])
@@ -116,7 +101,7 @@ def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target, ci_kind):
     window's last step (that would not be the gradient of the window's loss)."""
     dec, mean_end, states, metrics = _run(target, "mean", K, ci_kind=ci_kind, ppgd=False)
     batch = target.sample(jax.random.key(0), 64)
-    mu = lambda st: _leaves(st.opt_ci_fn[0].mu)  # fresh Adam: first moment = (1 - b1) g
+    mu = lambda st: leaves(st.opt_ci_fn[0].mu)  # fresh Adam: first moment = (1 - b1) g
 
     # SPEC 7: the window-mean envelope cotangent pulled back through ONE CI-fn vjp. Build it
     # from the pieces: per-step cotangents d loss / d envelope at each pre-step state.
@@ -134,12 +119,12 @@ def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target, ci_kind):
         return Envelope(ci.lower, ci.upper)
 
     _, vjp = jax.vjp(lambda f: envelope_of(f, states[0].components), states[-1].ci_fn)
-    want = [0.1 * x for x in _leaves(vjp(mean_cot)[0])]
+    want = [0.1 * x for x in leaves(vjp(mean_cot)[0])]
     for got, w in zip(mu(mean_end), want):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
     if ci_kind == "per_component_mlp":  # the window's V moved: the other point differs
         _, at_last = jax.vjp(lambda f: envelope_of(f, states[-1].components), states[-1].ci_fn)
-        wrong = [0.1 * x for x in _leaves(at_last(mean_cot)[0])]
+        wrong = [0.1 * x for x in leaves(at_last(mean_cot)[0])]
         assert max(np.abs(w - x).max() / np.abs(w).max() for w, x in zip(want, wrong)) > 1e-3
         return
 
@@ -173,7 +158,7 @@ def test_W2_replay_variants_on_the_live_rows_end_where_their_all_rows_runs_end(t
     dec, live_end, _, _ = _run(target, mode, 2 * K, rows=256)
     assert dec.live_sizes == (k, 256) and dec.skip_dead_rows
     _, full_end, _, _ = _run(target, mode, 2 * K, rows=256, skip_dead_rows=False)
-    _assert_same(live_end, full_end, rtol=2e-5, atol=1e-7)
+    assert_same(live_end, full_end, rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("mode", ["first", "last", "mean"])
@@ -205,7 +190,7 @@ def test_W1_every_is_bitwise_the_plain_step(target):
     s = jax.jit(dec.init)(target)
     for i in range(3):
         s, _ = plain(s, target, target.sample(jax.random.key(i // K), 64))
-    _assert_same(ctl_end, s)
+    assert_same(ctl_end, s)
 
 
 def test_W5_no_unusable_donation_and_repeat_peak_memory_not_above_full(target):
@@ -269,12 +254,12 @@ def test_W3_on_a_tiny_lm_repeat_matches_full_and_compute_ci_is_its_envelope():
     dec, t, state, batch = _lm()
     full, env_full, _ = jax.jit(dec.full_keep)(state, t, batch)
     env = jax.jit(dec.compute_ci)(t, state, batch)
-    _assert_same(env, env_full, rtol=1e-5, atol=1e-6)
+    assert_same(env, env_full, rtol=1e-5, atol=1e-6)
     rep, metrics = jax.jit(dec.repeat)((t, env), state, batch)
-    _assert_same(rep.components, full.components, rtol=1e-5, atol=1e-7)
-    _assert_same(rep.adversaries, full.adversaries, rtol=1e-5, atol=1e-7)
-    _assert_same(rep.ci_fn, state.ci_fn)
-    _assert_same(rep.opt_ci_fn, state.opt_ci_fn)
+    assert_same(rep.components, full.components, rtol=1e-5, atol=1e-7)
+    assert_same(rep.adversaries, full.adversaries, rtol=1e-5, atol=1e-7)
+    assert_same(rep.ci_fn, state.ci_fn)
+    assert_same(rep.opt_ci_fn, state.opt_ci_fn)
     assert "train/grad_norms/summary/ci_fn" not in metrics
 
 
@@ -287,7 +272,7 @@ def test_W2_on_a_tiny_lm_the_ci_fn_trains_once_per_window(mode):
         before = jax.tree.map(jnp.copy, state.ci_fn)
         state, m = ctl.step(s, state, t, batch)
         moved = any(not np.array_equal(a, b) for a, b in
-                    zip(_leaves(before), _leaves(state.ci_fn)))
+                    zip(leaves(before), leaves(state.ci_fn)))
         assert moved == ("train/grad_norms/summary/ci_fn" in m) == ctl.ci_updated(s)
         updated.append(moved)
     assert sum(updated) == 2

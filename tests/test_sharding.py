@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from helpers import max_rel
 from ppgd_tpu import checkpoint, dist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,13 +136,8 @@ def _metrics(run_dir) -> list[dict]:
             for r in rows]
 
 
-def _leaves(run_dir, step=STEPS) -> dict:
+def _arrays(run_dir, step=STEPS) -> dict:
     return checkpoint.restore(str(run_dir), step).arrays  # host numpy, any writer mesh
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(a), initial=0.0), 1e-12))
 
 
 def _tol(name: str, tols: dict) -> float:
@@ -150,20 +145,20 @@ def _tol(name: str, tols: dict) -> float:
     return next((t for prefix, t in (tols or {}).items() if name.startswith(prefix)), TOL)
 
 
-def _assert_same(want_dir, got_dir, what: str, from_step: int = 0, tols=None,
-                 step: int = STEPS):
+def _assert_same_run(want_dir, got_dir, what: str, from_step: int = 0, tols=None,
+                     step: int = STEPS):
     want, got = _metrics(want_dir), _metrics(got_dir)
     assert [r.keys() for r in want] == [r.keys() for r in got], what
     worst = {}
     for i, (a, b) in enumerate(zip(want, got)):
         for k in a:
             if i >= from_step:
-                r = worst[k] = max(worst.get(k, 0.0), _rel(a[k], b[k]))
+                r = worst[k] = max(worst.get(k, 0.0), max_rel(a[k], b[k]))
                 assert r <= _tol(k, tols), f"{what}: metric {k} row {i}: {a[k]} vs {b[k]}"
-    wl, gl = _leaves(want_dir, step), _leaves(got_dir, step)
+    wl, gl = _arrays(want_dir, step), _arrays(got_dir, step)
     assert sorted(wl) == sorted(gl), what
     for n in wl:
-        r = worst[n] = _rel(wl[n], gl[n])
+        r = worst[n] = max_rel(wl[n], gl[n])
         assert r <= _tol(n, tols), f"{what}: final leaf {n} differs (rel {r:.2e})"
     print(f"{what}: max rel", {k: f"{v:.1e}" for k, v in
                                sorted(worst.items(), key=lambda kv: -kv[1])[:8]})
@@ -217,7 +212,7 @@ def test_D3_same_trajectory_on_1_device_4_devices_and_2_processes(request, targe
     assert "mesh {'data': 2, 'fsdp': 2} over 4 devices: ICI {'data': 1, 'fsdp': 2} x DCN " \
         "{'data': 2, 'fsdp': 1} (2 granule(s))" in runs["log", "2x2"]
     for layout in ("4", "2x2"):
-        _assert_same(runs["1"], runs[layout], f"{target}: 1 device vs {layout}", tols=tols)
+        _assert_same_run(runs["1"], runs[layout], f"{target}: 1 device vs {layout}", tols=tols)
 
 
 @pytest.mark.parametrize("devices", [1, 4])
@@ -232,7 +227,7 @@ def test_C4_a_checkpoint_written_by_2x2_resumes_on_another_mesh(runs, tmp_path, 
     for d in os.listdir(run / "ckpts"):
         if int(d) > 6:
             shutil.rmtree(run / "ckpts" / d)
-    assert "training/replay/envelope/lower/linear1" in _leaves(run, 6)
+    assert "training/replay/envelope/lower/linear1" in _arrays(run, 6)
     # the resumed run keeps this layout's default mesh (data = devices): another mesh shape
     # than the writer's data 2 x fsdp 2, which resume allows [C3]
     args = ["train", f"--config={runs['config']}", f"--run_dir={run}",
@@ -240,7 +235,7 @@ def test_C4_a_checkpoint_written_by_2x2_resumes_on_another_mesh(runs, tmp_path, 
     out = _run(args, devices=devices)
     _assert_mesh(out, devices, shape={"data": devices, "fsdp": 1})
     assert "resumed from the checkpoint at step 6" in out
-    _assert_same(straight, run, f"2x2 -> {devices} devices", from_step=6)
+    _assert_same_run(straight, run, f"2x2 -> {devices} devices", from_step=6)
 
 
 LONG = 64  # steps of the stop test: its signal, sent after step 1, must land well before the end
@@ -320,7 +315,7 @@ def test_C5_C3_sigterm_on_one_of_2_processes_stops_both_at_one_step_and_resumes(
     assert checkpoint.latest_step(str(run)) == stop and not (run / "summary.json").exists()
     # mid-window the replay window's state was saved with the step; at a window's start
     # nothing of a window survives [C1, W6]
-    assert ("training/replay/envelope/lower/linear1" in _leaves(run, stop)) == bool(stop % 4)
+    assert ("training/replay/envelope/lower/linear1" in _arrays(run, stop)) == bool(stop % 4)
 
     out = _run(args)
     _assert_mesh(out, *SPAN["2x2"])
@@ -387,7 +382,7 @@ def test_eval_under_launch_local_repeats_one_process_eval(runs, tmp_path):
     want, got = (json.load(open(d / "summary.json")) for d in (one, two))
     assert want.keys() == got.keys() and want["step"] == STEPS
     for k in want:
-        assert _rel(want[k], got[k]) <= TOL, (k, want[k], got[k])
+        assert max_rel(want[k], got[k]) <= TOL, (k, want[k], got[k])
     assert out.count(f"evaluated step {STEPS} of") == 1
 
 
@@ -412,7 +407,7 @@ def test_eval_under_launch_local_evaluates_the_step_process_0_listed(runs, tmp_p
     want, got = (json.load(open(d / "summary.json")) for d in (one, two))
     assert got["step"] == committed[-2] and want.keys() == got.keys(), out[-3000:]
     for k in want:
-        assert _rel(want[k], got[k]) <= TOL, (k, want[k], got[k])
+        assert max_rel(want[k], got[k]) <= TOL, (k, want[k], got[k])
 
 
 def test_C1_processes_that_build_different_targets_are_refused(tmp_path):
