@@ -292,12 +292,12 @@ def test_helpfull_lists_every_field_with_type_default_and_meaning(capsys):
     (["eval"], "flags (a field's default is its value in RUN_DIR/config.yaml):"),
     (["sweep"], "flags (with --config <embedded default>):")])
 def test_every_command_answers_helpfull(capsys, argv, first):
-    """The top-level usage promises `ppgd-tpu <command> --helpfull` for every command; the
-    argparse ones exited 2 ("the following arguments are required"), bench asked "which
-    benchmark?"."""
+    """The top-level usage promises `ppgd-tpu <command> --helpfull` for every command: none
+    asks for its required flags or arguments first (tokenize, ckpt and launch-local did when
+    they parsed with argparse), nor for a bench case."""
     try:
         rc = cli.run([*argv, "--helpfull"])
-    except SystemExit as e:  # argparse exits after printing its help
+    except SystemExit as e:  # the flags library exits after printing the help
         rc = e.code
     assert rc == 0 and capsys.readouterr().out.startswith(first)
 
