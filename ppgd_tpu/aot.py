@@ -111,8 +111,8 @@ class Topology:
         """The topology's compile-only devices (libtpu's compiler; no TPU needed)."""
         if importlib.util.find_spec("libtpu") is None:
             raise cmdline.UsageError("compile: the TPU compiler (libtpu) is not installed; "
-                                 "install it with `pip install -e '.[tpu]'` (it runs on a "
-                                 "machine without a TPU)")
+                                     "install it with `pip install -e '.[tpu]'` (it runs on a "
+                                     "machine without a TPU)")
         # libtpu's lock keeps two processes off one host's TPU chips; a compile-only client
         # touches none (and may run beside a training job, or another compile)
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -344,7 +344,7 @@ def main(args: list[str]) -> int:
                      "(comma-separated; default: all)", str)})
     if not extra["topology"]:
         raise cmdline.UsageError("--topology: which TPU slice to compile for? e.g. --topology "
-                             "v4-32 (one of " + ", ".join(known_topologies()) + ")")
+                                 "v4-32 (one of " + ", ".join(known_topologies()) + ")")
     topo = Topology.parse(extra["topology"], extra["slices"])
     # compile-only: the persistent CPU cache is no place for TPU executables
     jax.config.update("jax_enable_compilation_cache", False)
@@ -393,7 +393,7 @@ def compile_config(cfg: Config, topo: Topology, headroom: float = 0.1,
     unknown = sorted(set(only or ()) - set(table))
     if unknown:
         raise cmdline.UsageError(f"--variants: {', '.join(unknown)} not run by replay mode "
-                             f"{cfg.data.replay_ci_update!r}; its variants: {', '.join(table)}")
+                                 f"{cfg.data.replay_ci_update!r}; its variants: {', '.join(table)}")
     for name, (fn, args, state_arg, model_arg) in table.items():
         if only and name not in only:
             continue

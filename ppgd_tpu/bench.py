@@ -546,7 +546,7 @@ def _fresh_dir(path: str, prefix: str) -> str:
     if storage.is_gcs(path) and storage.list_entries(path) or \
             not storage.is_gcs(path) and os.path.isdir(path) and os.listdir(path):
         raise cmdline.UsageError(f"--run_dir: {path} is not empty; a bench writes a run dir of "
-                             "its own: pass a new path, or none (a temp dir)")
+                                 "its own: pass a new path, or none (a temp dir)")
     return cmdline.output_path("run_dir", path, directory=True)
 
 

@@ -133,7 +133,7 @@ def main(args: list[str]) -> int:
         raise cmdline.UsageError("--seed: the sweep gives each run its seed from --seeds")
     if "run_dir" in named:
         raise cmdline.UsageError("--run_dir: the sweep gives each run its run dir, DIR/seed_<s> "
-                             "(DIR: --output)")
+                                 "(DIR: --output)")
     cfg, extra = cmdline.parse_config_args(args, {
         "seeds": ("", "seeds to run: 0-15, 0,3,7 or a mix (0-3,8)", parse_seeds),
         "jobs": ("1", "seeds trained at once (each its own process)", cmdline.count),
