@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import config
-from ppgd_tpu.config import Config, ImpMinConfig, PersistentPGDTerm, Schedule, StochasticTerm
+from ppgd_tpu.config import ImpMinConfig, PersistentPGDTerm, Schedule, StochasticTerm
 from ppgd_tpu.decomp import adversary, ci_fn, component_mlp, components, losses, rng, schedules
 from ppgd_tpu.decomp.divergence import kl
 from ppgd_tpu.targets import resid_mlp, tms
@@ -368,12 +368,9 @@ def test_adversary_scope_shapes():
 
 
 def _tiny_cfg(**loss_kw):
-    cfg = Config()
-    loss = dataclasses.replace(cfg.loss, **loss_kw)
-    return dataclasses.replace(
-        cfg, loss=loss,
-        data=dataclasses.replace(cfg.data, batch_size=32),
-        decomp=dataclasses.replace(cfg.decomp, steps=10, sites={"*": 4}))
+    """TMS 5-2, batch 32, C = 4 per site, 10 steps; `loss_kw` replace whole loss fields."""
+    cfg = config({"data.batch_size": 32, "decomp.steps": 10, "decomp.sites.*": 4})
+    return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, **loss_kw))
 
 
 def _toy_target():

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppgd_tpu.config import (Config, ImpMinConfig, PersistentPGDTerm, Schedule, StochasticTerm,
+from helpers import config
+from ppgd_tpu.config import (ImpMinConfig, PersistentPGDTerm, Schedule, StochasticTerm,
                              TMSConfig, LOSS_PARTS_BESIDE_RECON)
 from ppgd_tpu.decomp import ci_fn as ci_lib
 from ppgd_tpu.decomp import losses
@@ -29,13 +30,11 @@ B = 32
 
 
 def _cfg(decomp=None, **loss_kw):
-    """TMS 5-2, batch 32, C = 4 per site, 10 steps; `decomp` / `loss_kw` override."""
-    cfg = Config()
-    return dataclasses.replace(
-        cfg, loss=dataclasses.replace(cfg.loss, **loss_kw),
-        data=dataclasses.replace(cfg.data, batch_size=B),
-        decomp=dataclasses.replace(cfg.decomp, **{"steps": 10, "sites": {"*": 4},
-                                                  **(decomp or {})}))
+    """TMS 5-2, batch 32, C = 4 per site, 10 steps; `decomp` / `loss_kw` replace whole
+    fields (objects: a schedule, a mapping of terms)."""
+    cfg = config({"data.batch_size": B, "decomp.steps": 10, "decomp.sites.*": 4})
+    return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, **loss_kw),
+                               decomp=dataclasses.replace(cfg.decomp, **(decomp or {})))
 
 
 @pytest.fixture(scope="module")
