@@ -406,16 +406,12 @@ def _eval_output(rd: RunDir, output: str | None, step: int) -> str:
     return out
 
 
-def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str | None) -> dict:
-    """`ppgd-tpu eval`: the fast tier and the figures of the committed checkpoint `step`
-    (None: the latest) of the run in `rd`, under `cfg` (its config, eval fields changed),
-    into `output` (None: RUN_DIR/evals/step_<step>): config.yaml, figures/, then
-    summary.json. It only reads the run's files and takes no lock, so a run that is still
-    training can be evaluated; the run never touches evals/."""
-    _check_one_config(cfg)
-    # Listed once, by the main process for all: a run still training commits (and retention
-    # deletes) steps between two processes' listings, and each restoring the newest step it
-    # saw would evaluate a state mixed from two checkpoints.
+def committed_step(rd: RunDir, step: int | None) -> int:
+    """`step` (None: the latest), checked to be a committed checkpoint of the run in `rd`
+    (ConfigError naming --run_dir or --step otherwise). Listed once, by the main process for
+    all: a run still training commits (and retention deletes) steps between two processes'
+    listings, and each restoring the newest step it saw would read a state mixed from two
+    checkpoints."""
     committed = dist.broadcast_from_main(checkpoint.committed_steps(rd.path))
     if not committed:
         raise ConfigError(f"--run_dir: {rd.path} has no committed checkpoint yet (a run "
@@ -424,7 +420,14 @@ def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str |
     if step not in committed:
         raise ConfigError(f"--step: {step} is not a committed checkpoint of {rd.path}; "
                           f"its committed steps: {', '.join(map(str, committed))}")
-    out = _eval_output(rd, output, step)
+    return step
+
+
+def restore_committed(cfg: Config, rd: RunDir, step: int) -> tuple[Trainer, TrainState]:
+    """The run's programs on this mesh (a Trainer under `cfg`) and its state at the committed
+    checkpoint `step` (committed_step), placed on that mesh; reads the run's files only. The
+    target must be the weights the run started with; a checkpoint that the running run's
+    retention deletes while it is read is a ConfigError naming --step."""
     trainer = Trainer(cfg)
     rd.check_inputs(cfg, trainer.target_sha256, None)  # the run's weights; any store
     try:
@@ -434,12 +437,25 @@ def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str |
             raise
         raise ConfigError(f"--step: checkpoint {step} of {rd.path} was deleted while it was "
                           "read (the running run's retention, checkpoint.keep_last_n; "
-                          "checkpoint.keep_every keeps some for good): evaluate a newer "
+                          "checkpoint.keep_every keeps some for good): use a newer "
                           "one") from None
     try:
         state = resume.restore_state(trainer.dec, trainer.target, restored.arrays)
     except checkpoint.DamagedCheckpoint as e:
         raise checkpoint.damaged(rd.path, step, e) from None
+    return trainer, state
+
+
+def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str | None) -> dict:
+    """`ppgd-tpu eval`: the fast tier and the figures of the committed checkpoint `step`
+    (None: the latest) of the run in `rd`, under `cfg` (its config, eval fields changed),
+    into `output` (None: RUN_DIR/evals/step_<step>): config.yaml, figures/, then
+    summary.json. It only reads the run's files and takes no lock, so a run that is still
+    training can be evaluated; the run never touches evals/."""
+    _check_one_config(cfg)
+    step = committed_step(rd, step)
+    out = _eval_output(rd, output, step)
+    trainer, state = restore_committed(cfg, rd, step)
     figures = storage.join(out, FIGURES) if cfg.eval.figures else None
     summary, _ = _evaluate(trainer, state, step, figures, f"{cfg.name} ({rd.path}), step "
                            f"{step}, ppgd-tpu eval")
