@@ -5,6 +5,7 @@ rendered DOM."""
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -171,22 +172,30 @@ def test_tms_report_renders_in_chromium(tms):
                                rtol=1e-6)
 
 
-def test_report_of_an_earlier_step_reads_its_eval_line(tms, tmp_path):
-    out = tmp_path / "site"
-    assert cli.run(["report", f"--run_dir={tms['run']}", "--step=20", f"--output={out}",
-                    "--rows=256"]) == 0
+def test_report_of_a_run_not_finished_reads_its_eval_line_and_only_reads_the_run(tms,
+                                                                                   tmp_path):
+    """A run stopped after its step-20 checkpoint (as one still training looks): its
+    latest checkpoint is reported, with that step's eval line of metrics.jsonl."""
+    run = tmp_path / "run"
+    shutil.copytree(tms["run"], run, ignore=shutil.ignore_patterns("report"))
+    os.remove(run / "summary.json")
+    shutil.rmtree(run / "ckpts" / "40")
+    before = snapshot(run)
+    assert cli.run(["report", f"--run_dir={run}", "--rows=256"]) == 0
+    assert snapshot(run, skip=("report",)) == before
+    out = run / "report" / "step_20"
     report, _ = _site(out)
-    assert report["step"] == 20 and report["figures"] == []  # the run's figures are step 40's
+    assert report["step"] == 20 and not report["complete"]
+    assert report["figures"] == []  # the run's figures would be of its final step
     assert report["metrics_source"].startswith("metrics.jsonl")
-    line = [json.loads(ln) for ln in open(tms["run"] / "metrics.jsonl")]
-    line = [r for r in line if r["step"] == 20 and "eval/recon/zero" in r][0]
+    lines = [json.loads(ln) for ln in open(run / "metrics.jsonl")]
+    line = [r for r in lines if r["step"] == 20 and "eval/recon/zero" in r][0]
     assert report["metrics"]["eval/recon/zero"] == line["eval/recon/zero"]
     assert max(s for s, _ in report["curves"]["train/loss/total"]) == 20
-    # again into the same dir: replaced whole
-    assert cli.run(["report", f"--run_dir={tms['run']}", "--step=40", f"--output={out}",
-                    "--rows=256"]) == 0
-    assert _site(out)[0]["step"] == 40
-    assert sorted(os.listdir(tmp_path)) == ["site"]  # no temporary dir left
+    # again, into the same dir: replaced whole
+    assert cli.run(["report", f"--run_dir={run}", "--rows=128"]) == 0
+    assert _site(out)[0]["rows"] == 128
+    assert os.listdir(run / "report") == ["step_20"]  # no temporary dir left
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -97,6 +97,13 @@ def _metrics_at(rd, step: int, records: list[dict]) -> tuple[dict, str | None]:
     return {}, None
 
 
+def _row_source(cfg) -> str:
+    """Which rows an LM report scanned (scan.lm_row_count keeps them in the held-out ones)."""
+    return f"the first rows of {cfg.data.store} " + (
+        "(held out: data.eval_rows)" if cfg.data.eval_rows else
+        "(none held out: data.eval_rows is 0)")
+
+
 def build(rd, cfg, step: int, trainer, state, n_rows: int, top_k: int, progress: bool,
           out: str) -> dict:
     """Scans, then (process 0) writes the site to `out`; returns its REPORT overview."""
@@ -132,10 +139,8 @@ def build(rd, cfg, step: int, trainer, state, n_rows: int, top_k: int, progress:
         "threshold": threshold, "rows": n_rows, "positions": result.n_positions,
         "top_k": top_k if lm else None, "context_before": scan_lib.CONTEXT_BEFORE,
         "generated": site.now(),
-        "row_source": (("the first rows of " + cfg.data.store
-                        + (" (held out: data.eval_rows)" if n_rows <= cfg.data.eval_rows
-                           else " (not all held out)")) if lm
-                       else "draws from the toy's data distribution"),
+        "row_source": _row_source(cfg) if lm
+                      else "draws from the toy's data distribution",
         "config": dump_yaml(cfg), "metrics": metrics, "metrics_source": source,
         "curves": site.curves(records, step), "figures": sorted(figures),
         "sites": site.site_tables(result, trainer.dec.sites, components, onehot, threshold),
