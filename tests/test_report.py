@@ -46,7 +46,7 @@ def lm(corpus, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("report_lm") / "run"
     assert cli.run(["train", f"--config={corpus['config']}",
                     f"--target.path={corpus['target']}", f"--data.store={corpus['store']}",
-                    f"--run_dir={run_dir}"]) == 0
+                    f"--run_dir={run_dir}", "--eval.figures=false"]) == 0
     assert cli.run(["report", f"--run_dir={run_dir}", f"--top_k={TOP_K}"]) == 0
     out = run_dir / "report" / "step_20"
     rows = TokenStore.open(corpus["store"]).read_rows(np.arange(32)).astype(np.int32)[:, :-1]
@@ -196,6 +196,28 @@ def test_report_of_a_run_not_finished_reads_its_eval_line_and_only_reads_the_run
     assert cli.run(["report", f"--run_dir={run}", "--rows=128"]) == 0
     assert _site(out)[0]["rows"] == 128
     assert os.listdir(run / "report") == ["step_20"]  # no temporary dir left
+
+
+@needs_browser
+def test_report_to_gcs_opens_once_copied(tms, gcs_emulator, tmp_path):
+    from ppgd_tpu import storage
+
+    out = gcs_emulator.run_dir() + "/site"
+    assert cli.run(["report", f"--run_dir={tms['run']}", f"--output={out}", "--rows=256"]) == 0
+    prefix = out.removeprefix(f"gs://{gcs_emulator.bucket}/") + "/"
+    names = [n.removeprefix(prefix) for n in gcs_emulator.names(prefix)]
+    assert {"index.html", "component.html", "report.js", "report.css", "data/run.js",
+            "report.json"} <= set(names)
+    copy = tmp_path / "copy"
+    for name in names:
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        (copy / name).write_bytes(storage.read_bytes(f"{out}/{name}"))
+    report, _ = _site(copy)
+    with Browser() as b:
+        b.open((copy / "index.html").as_uri())
+        for site in report["sites"]:
+            assert len(_rows(b, site["index"])) == site["n_alive"] > 0
+        assert b.problems == []
 
 
 @pytest.mark.parametrize("argv, needle", [
