@@ -38,6 +38,7 @@ commands:
   ckpt      checkpoint tools: ls | digest | verify
   launch-local  run N local processes of a ppgd-tpu command
   sweep     train one config at many seeds and tabulate what each recovered (`--seeds 0-15`)
+  report    a static site showing what each component of a run does (`--run_dir R`)
 
 `ppgd-tpu <command> --helpfull` lists that command's flags; `ppgd-tpu --version` the
 versions of ppgd-tpu and the libraries it runs on."""
@@ -48,6 +49,7 @@ DELEGATED = {
     "tokenize": "ppgd_tpu.data.tokenize",
     "ckpt": "ppgd_tpu.ckpt",
     "launch-local": "ppgd_tpu.launch_local",
+    "report": "ppgd_tpu.report.command",
 }
 COMMANDS = {"train": commands.cmd_train, "eval": commands.cmd_eval,
             "pretrain": commands.cmd_pretrain, "bench": commands.cmd_bench,

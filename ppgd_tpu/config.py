@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import operator
@@ -262,6 +263,21 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases logging (ppgd_tpu/wandb_sink.py; needs `pip install -e '.[wandb]'`):
+    process 0 logs the config, every metrics.jsonl record, the figures and the summary; a
+    resumed run continues the same W&B run; a W&B failure only warns."""
+
+    mode: Literal["disabled", "online", "offline"] = _f(
+        "disabled", "disabled: no W&B; online: to the W&B server (`wandb login` first); "
+        "offline: files under RUN_DIR/wandb for `wandb sync`")
+    project: str = _f("ppgd-tpu", "W&B project")
+    entity: str = _f("", "W&B entity, a team or user ('' = your default)")
+    name: str = _f("", "W&B run name ('' = the run dir's name)")
+    tags: str = _f("", "comma-separated W&B tags, e.g. tms,seed0")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     every: int = _f(100, "metrics.jsonl cadence in global steps", lo=1)
     progress: bool = _f(True, "console progress bar")
@@ -269,6 +285,7 @@ class LogConfig:
     profile_start: int = _f(-1, "trace the log.profile_steps steps after this global step with "
                             "jax.profiler into RUN_DIR/profile (-1 = off)", lo=-1)
     profile_steps: int = _f(5, "steps in the profile window", lo=1)
+    wandb: WandbConfig = _f(factory=WandbConfig, help="Weights & Biases logging")
 
 
 @dataclass(frozen=True)
@@ -706,6 +723,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"log.profile_start: {cfg.log.profile_start} leaves no step to trace (decomp.steps "
             f"= {cfg.decomp.steps}); use -1 (off) or 0 .. {cfg.decomp.steps - 1}")
+    if cfg.log.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"log.wandb.mode: {cfg.log.wandb.mode!r} needs the wandb package: "
+                          "pip install -e '.[wandb]' (or use 'disabled')")
     imp = cfg.loss.imp_min
     g = imp.gamma
     if imp.kind == "smooth_l0" and (g.value <= 0 or g.warmup_steps > 0

@@ -33,6 +33,7 @@ from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import TrainState
 from ppgd_tpu.targets import build as target_build
 from ppgd_tpu.trace import StepTrace
+from ppgd_tpu.wandb_sink import WandbSink
 from ppgd_tpu.workspace import (CONFIG, DECOMPOSITION, EVALS, FIGURES, SUMMARY, RunDir,
                                 write_summary)
 
@@ -207,16 +208,16 @@ def train(cfg: Config, run_dir: str) -> dict:
             rd.path, keep_last_n=cfg.checkpoint.keep_last_n,
             keep_every=cfg.checkpoint.keep_every or None, config_hash=config_hash(cfg),
             barrier=dist.barrier if jax.process_count() > 1 else None)
-        with dist.StopSignal() as stop, saver:
+        with dist.StopSignal() as stop, saver, WandbSink(cfg, rd.path, dist.is_main()) as sink:
             try:
-                summary = _run(cfg, rd, trainer, saver, stop)
+                summary = _run(cfg, rd, trainer, saver, stop, sink)
             except metrics_lib.Diverged as e:  # said with the run it ended
                 raise metrics_lib.Diverged(f"{rd.path}: {e}") from None
             signals.finished()  # before the StopSignal hands the signals back
             return summary
 
 
-def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
+def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop, sink: WandbSink) -> dict:
     steps, k = cfg.decomp.steps, cfg.data.train_batch_replay
     replay = trainer.replay
     start = checkpoint.latest_step(rd.path)
@@ -243,10 +244,11 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
             raise checkpoint.damaged(rd.path, start, e) from None
         logging.info("resumed from the checkpoint at step %d", start)
     if start >= steps:
-        return _finish(cfg, rd, trainer, state, stop)
+        return _finish(cfg, rd, trainer, state, stop, sink)
 
     writer = metrics_lib.MetricsWriter(rd.path, enabled=dist.is_main(),
-                                       tensorboard=cfg.log.tensorboard, resume_step=start)
+                                       tensorboard=cfg.log.tensorboard, resume_step=start,
+                                       also=sink)
     progress = metrics_lib.Progress(steps, start, cfg.log.progress and dist.is_main())
     clock, s_last = metrics_lib.WindowClock(), start
 
@@ -307,7 +309,7 @@ def _run(cfg: Config, rd: RunDir, trainer: Trainer, saver, stop) -> dict:
     save(steps, state)
     writer.close()
     saver.wait()
-    return _finish(cfg, rd, trainer, state, stop)
+    return _finish(cfg, rd, trainer, state, stop, sink)
 
 
 def _log_record(window: list[dict], s: int, replay: ReplayController,
@@ -339,8 +341,9 @@ def _throughput(step_s: float, batch_shape: tuple[int, ...], target) -> dict:
 
 
 def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState,
-            stop: dist.StopSignal) -> dict:
-    """Final eval, decomposition file, figures, then summary.json LAST (WORKSPACE.md).
+            stop: dist.StopSignal, sink: WandbSink) -> dict:
+    """Final eval, decomposition file, figures, then summary.json LAST (WORKSPACE.md);
+    the final line, the figures and the summary go to W&B too (`sink`).
 
     The final checkpoint is committed, so a signal from here on ends the command at once
     (re-run, it redoes only this): the StopSignal, which only notes signals for a step
@@ -353,9 +356,12 @@ def _finish(cfg: Config, rd: RunDir, trainer: Trainer, state: TrainState,
     summary, state = _evaluate(trainer, state, cfg.decomp.steps, figures,
                                f"{cfg.name} ({rd.path}), step {cfg.decomp.steps}")
     if dist.is_main():
-        writer = metrics_lib.MetricsWriter(rd.path, enabled=True, tensorboard=False)
+        writer = metrics_lib.MetricsWriter(rd.path, enabled=True, tensorboard=False, also=sink)
         writer.write_final(cfg.decomp.steps, summary)
         writer.close()  # on gs:// the line is held in memory until then
+        if figures is not None:
+            sink.images(cfg.decomp.steps, figures)
+        sink.summary(summary)
         save_decomposition(rd.file(DECOMPOSITION), state, trainer.dec.sites)
         summary = {"step": cfg.decomp.steps, **summary}
         write_summary(rd.file(SUMMARY), summary)
@@ -405,16 +411,12 @@ def _eval_output(rd: RunDir, output: str | None, step: int) -> str:
     return out
 
 
-def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str | None) -> dict:
-    """`ppgd-tpu eval`: the fast tier and the figures of the committed checkpoint `step`
-    (None: the latest) of the run in `rd`, under `cfg` (its config, eval fields changed),
-    into `output` (None: RUN_DIR/evals/step_<step>): config.yaml, figures/, then
-    summary.json. It only reads the run's files and takes no lock, so a run that is still
-    training can be evaluated; the run never touches evals/."""
-    _check_one_config(cfg)
-    # Listed once, by the main process for all: a run still training commits (and retention
-    # deletes) steps between two processes' listings, and each restoring the newest step it
-    # saw would evaluate a state mixed from two checkpoints.
+def committed_step(rd: RunDir, step: int | None) -> int:
+    """`step` (None: the latest), checked to be a committed checkpoint of the run in `rd`
+    (ConfigError naming --run_dir or --step otherwise). Listed once, by the main process for
+    all: a run still training commits (and retention deletes) steps between two processes'
+    listings, and each restoring the newest step it saw would read a state mixed from two
+    checkpoints."""
     committed = dist.broadcast_from_main(checkpoint.committed_steps(rd.path))
     if not committed:
         raise ConfigError(f"--run_dir: {rd.path} has no committed checkpoint yet (a run "
@@ -423,7 +425,14 @@ def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str |
     if step not in committed:
         raise ConfigError(f"--step: {step} is not a committed checkpoint of {rd.path}; "
                           f"its committed steps: {', '.join(map(str, committed))}")
-    out = _eval_output(rd, output, step)
+    return step
+
+
+def restore_committed(cfg: Config, rd: RunDir, step: int) -> tuple[Trainer, TrainState]:
+    """The run's programs on this mesh (a Trainer under `cfg`) and its state at the committed
+    checkpoint `step` (committed_step), placed on that mesh; reads the run's files only. The
+    target must be the weights the run started with; a checkpoint that the running run's
+    retention deletes while it is read is a ConfigError naming --step."""
     trainer = Trainer(cfg)
     rd.check_inputs(cfg, trainer.target_sha256, None)  # the run's weights; any store
     try:
@@ -433,12 +442,25 @@ def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str |
             raise
         raise ConfigError(f"--step: checkpoint {step} of {rd.path} was deleted while it was "
                           "read (the running run's retention, checkpoint.keep_last_n; "
-                          "checkpoint.keep_every keeps some for good): evaluate a newer "
+                          "checkpoint.keep_every keeps some for good): use a newer "
                           "one") from None
     try:
         state = resume.restore_state(trainer.dec, trainer.target, restored.arrays)
     except checkpoint.DamagedCheckpoint as e:
         raise checkpoint.damaged(rd.path, step, e) from None
+    return trainer, state
+
+
+def evaluate_checkpoint(cfg: Config, rd: RunDir, step: int | None, output: str | None) -> dict:
+    """`ppgd-tpu eval`: the fast tier and the figures of the committed checkpoint `step`
+    (None: the latest) of the run in `rd`, under `cfg` (its config, eval fields changed),
+    into `output` (None: RUN_DIR/evals/step_<step>): config.yaml, figures/, then
+    summary.json. It only reads the run's files and takes no lock, so a run that is still
+    training can be evaluated; the run never touches evals/."""
+    _check_one_config(cfg)
+    step = committed_step(rd, step)
+    out = _eval_output(rd, output, step)
+    trainer, state = restore_committed(cfg, rd, step)
     figures = storage.join(out, FIGURES) if cfg.eval.figures else None
     summary, _ = _evaluate(trainer, state, step, figures, f"{cfg.name} ({rd.path}), step "
                            f"{step}, ppgd-tpu eval")

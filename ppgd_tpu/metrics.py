@@ -187,11 +187,13 @@ class MetricsWriter:
     seconds and on close."""
 
     def __init__(self, run_dir: str, enabled: bool, tensorboard: bool,
-                 resume_step: int | None = None, flush_s: float = 30.0):
+                 resume_step: int | None = None, flush_s: float = 30.0, also=None):
         """With `resume_step`, what was logged after it is dropped (the resumed run logs
         those steps again): metrics.jsonl's lines now, TensorBoard's events by a purge from
-        `resume_step + 1` (a SessionLog START, which TensorBoard honours when it reads)."""
-        self.enabled = enabled
+        `resume_step + 1` (a SessionLog START, which TensorBoard honours when it reads).
+        `also` (e.g. a wandb_sink.WandbSink): another sink, given each record by
+        `.log(step, values)` once it is in metrics.jsonl."""
+        self.enabled, self.also = enabled, also
         self.path = storage.join(run_dir, METRICS)
         self.remote = storage.is_gcs(run_dir)
         self.flush_s, self.flushed_at = flush_s, time.monotonic()
@@ -238,6 +240,8 @@ class MetricsWriter:
                 fh.write(line)
         if self.tb is not None:
             self.tb.write(step, {k: v for k, v in values.items() if isinstance(v, (int, float))})
+        if self.also is not None:
+            self.also.log(step, values)
 
     def flush(self) -> None:
         if self.enabled and self.remote:
