@@ -47,9 +47,6 @@ class Leading:
 
     first: str
 
-    def __repr__(self) -> str:
-        return f"{self.first}..."
-
 
 ROWS = Leading("batch")  # one entry per batch row (and position)
 SHARED_ROWS = Leading("shared")  # size 1 on the batch axis: shared by every row (positions kept)
