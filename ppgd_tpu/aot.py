@@ -230,12 +230,10 @@ def state_per_chip(programs, target) -> list[tuple[str, int, bool]]:
     """(leaf, bytes per chip, sharded?) of the train state, largest first."""
     from ppgd_tpu import resume
 
-    state = jax.eval_shape(programs.dec.init, target)
-    named = resume.state_leaves(state)
-    rows = []
-    for name, s in named.items():
-        sharding = programs.placement.sharding(name, s.shape)
-        rows.append((name, _shard_bytes(s, sharding), not sharding.is_fully_replicated))
+    state = resume.state_leaves(jax.eval_shape(programs.dec.init, target))
+    shardings = resume.state_leaves(programs.shardings.state)
+    rows = [(name, _shard_bytes(s, shardings[name]), not shardings[name].is_fully_replicated)
+            for name, s in state.items()]
     return sorted(rows, key=lambda r: -r[1])
 
 

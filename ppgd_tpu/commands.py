@@ -163,6 +163,7 @@ def cmd_shardings(args: list[str]) -> int:
 
     from ppgd_tpu import mesh as mesh_lib
     from ppgd_tpu.data import lm as data_lib
+    from ppgd_tpu.programs import run_templates
     from ppgd_tpu.step import Decomposer
     from ppgd_tpu.targets import build
 
@@ -181,7 +182,7 @@ def cmd_shardings(args: list[str]) -> int:
         dec = Decomposer(cfg, target, data_lib.batch_shape(cfg, target))
         batch = jax.ShapeDtypeStruct(data_lib.batch_shape(cfg, target),
                                      data_lib.batch_dtype(target))
-        named, _ = mesh_lib.run_templates(dec, target, batch)
+        named, _ = run_templates(dec, target, batch)
         placement = mesh_lib.Placement(cfg, mesh, len(dec.leading))
         mode = cfg.data.replay_ci_update  # the window's leaves exist in these modes only
         held = {"env": mode != "every", "acc": mode == "mean"}

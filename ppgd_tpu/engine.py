@@ -28,7 +28,7 @@ from ppgd_tpu.config import Config, ConfigError, config_hash
 from ppgd_tpu.consumer import save_decomposition
 from ppgd_tpu.data import lm as data_lib
 from ppgd_tpu.decomp.components import resolve_sites, resolve_ties
-from ppgd_tpu.programs import Batches, Programs
+from ppgd_tpu.programs import Batches, Programs, run_templates
 from ppgd_tpu.replay import ReplayController
 from ppgd_tpu.step import TrainState
 from ppgd_tpu.targets import build as target_build
@@ -91,8 +91,8 @@ class Trainer:
         self.placement = mesh_lib.Placement(cfg, self.mesh, len(target.leading_shape((1, 1))))
         # Toys: batches drawn from (seed, j); LMs: token-store rows [B, T] (data/lm.py). Both
         # land row-sharded on the mesh, each process producing only its own rows.
-        self.data = data_lib.make(cfg, target, lambda shape: self.placement.sharding("batch",
-                                                                                     shape))
+        self.data = data_lib.make(cfg, target, lambda shape: self.placement.sharding(
+            "batch", shape, target.input_axes))
         self.batch = self.data.batch
         store = getattr(self.data, "store", None)  # LMs: which tokenize run wrote it
         self.store_id = store.store_id if store is not None else None
@@ -142,8 +142,10 @@ class Trainer:
     def restore(self, run_dir: str, step: int):
         """Checkpoint leaves placed on THIS run's mesh, whatever mesh wrote them [C4]."""
         infos = checkpoint.committed_manifest(run_dir, step).leaves
+        named, _ = run_templates(self.dec, self.target, self.programs.batches.train,
+                                 metrics=False)
         try:
-            shardings = self.placement.names(infos)
+            shardings = self.placement.names(mesh_lib.by_name(named, infos))
         except mesh_lib.MeshError as e:  # a leaf no state of this code has
             raise checkpoint.damaged(run_dir, step, e) from None
         return checkpoint.restore(run_dir, step, shardings=shardings)

@@ -13,10 +13,11 @@ process) the mesh is built by the hybrid ICI/DCN constructor so the DCN axis cro
 slow links only. Sizes that do not multiply to the device count, or a global batch that
 does not divide over the batch shards, are refused naming the field before any compute.
 
-Placement. A leaf's path (`resume.named_leaves` names, e.g. `decomposition/components/V/
-linear1`) maps to LOGICAL axes (`batch`, `embed`, `channels`, ...) through `LOGICAL`;
-the flax rule table `RULES` maps logical axes to mesh axes. A path no pattern matches is an
-error naming it, never a silent replication. Decisions:
+Placement. Each leaf's LOGICAL axes (`batch`, `embed`, `channels`, ...) are declared by
+the module that defines it (ppgd_tpu/axes.py: `axes.field` on the target's, the CI fn's,
+the components', the adversary's and the envelope's fields); the flax rule table `RULES`
+maps logical axes to mesh axes. A leaf nothing declares is an error naming it, never a
+silent replication, and so is a logical name `RULES` lacks. Decisions:
 
 | what                                   | placement                                         |
 |----------------------------------------|---------------------------------------------------|
@@ -25,7 +26,8 @@ error naming it, never a silent replication. Decisions:
 | V/U, CI fn, target, Adam moments       | the `embed` dim over fsdp (FSDP) when the leaf has |
 |                                        | >= mesh.fsdp_min_elements elements, else replicated |
 
-Moments follow their parameter (the optimizer path is mapped onto the parameter path).
+Moments follow their parameter: the parameters' axes are mapped over the optimizer state
+(optax.tree_map_params), whatever the optimizer.
 Draws are layout-independent because threefry is partitionable [R1]: a placed init, a
 sharded batch draw and a single-device one give the same numbers.
 """
@@ -33,7 +35,7 @@ sharded batch draw and a single-device one give the same numbers.
 from __future__ import annotations
 
 import math
-import re
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -42,6 +44,7 @@ from flax import linen as nn
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from ppgd_tpu import axes
 from ppgd_tpu.config import Config, ConfigError, MeshConfig
 from ppgd_tpu.tracing import BATCH_AXES
 
@@ -172,78 +175,7 @@ def check_batches(cfg: Config, mesh) -> None:
                 f"mesh.data / mesh.fsdp sizes, or {RESUME_COUNT}")
 
 
-# ---------------------------------------------------------------- logical axes of a leaf
-
-
-def _lead(leading_ndim: int) -> tuple[str, ...]:
-    """Logical names of the leading axes: [B] for toys, [B, T] for sequence targets."""
-    return ("batch", *("seq",) * (leading_ndim - 1))
-
-
-def logical_axes(name: str, ndim: int, cfg: Config, leading_ndim: int) -> tuple[str, ...]:
-    """Logical axes of the leaf called `name` (with `ndim` dims). Raises MeshError when no
-    rule covers it: a new leaf must be placed deliberately."""
-    lead = _lead(leading_ndim)
-    path = re.sub(r"^(decomposition|training)/", "", name)
-    # Adam moments live where their parameter lives.
-    path = re.sub(r"^opt_(components|ci_fn)/\d+/(mu|nu)/", r"\1/", path)
-    m = re.match(r"^adversaries/([^/]+)/(.*)$", path)
-    if m and m.group(1) in cfg.loss.persistent_pgd:
-        path = f"adversaries.{cfg.loss.persistent_pgd[m.group(1)].scope}/{m.group(2)}"
-    path = re.sub(r"^ci_fn/", f"ci_fn.{cfg.decomp.ci_fn.kind}/", path)
-    path = re.sub(r"^target/", f"target.{cfg.target.kind}/", path)
-    for pattern, axes in _patterns(lead):
-        if re.search(pattern, path):
-            if len(axes) != ndim:
-                raise MeshError(f"leaf {name!r}: rule {pattern!r} gives {len(axes)} axes "
-                                f"{axes} for a {ndim}-d array")
-            return axes
-    raise MeshError(f"leaf {name!r} has no placement rule in ppgd_tpu/mesh.py (_patterns); "
-                    "add one deliberately rather than letting it replicate silently")
-
-
-def _patterns(lead: tuple[str, ...]):
-    """(regex on the canonical path, logical axes); first match wins."""
-    per_site = ("channels",)
-    batch = lead if len(lead) > 1 else (*lead, "features")  # tokens [B, T]; toys [B, n]
-    return (
-        (r"(^|/)(step|count|step_count)$", ()),
-        (r"^metrics(/|$)", ()),
-        (r"^batch$", batch),
-        (r"^replay/(envelope|accumulator)/(lower|upper)/", (*lead, *per_site)),
-        (r"^adversaries\.bsc/(sources|m|v)/", (*lead, *per_site)),
-        (r"^adversaries\.sc/(sources|m|v)/", ("shared", *lead[1:], *per_site)),
-        (r"^(components/V|replay/envelope_V)/", ("embed", "channels")),
-        (r"^components/U/", ("channels", "embed")),
-        # CI fns (SPEC 3)
-        (r"^ci_fn\.per_component_mlp/(w1|b1|w2)/", ("channels", "hidden")),
-        (r"^ci_fn\.per_component_mlp/b2/", ("channels",)),
-        (r"^ci_fn\.(per_site_mlp|global_mlp)/w1(/|$)", ("embed", "hidden")),
-        (r"^ci_fn\.(per_site_mlp|global_mlp)/b1(/|$)", ("hidden",)),
-        (r"^ci_fn\.(per_site_mlp|global_mlp)/w2(/|$)", ("hidden", "channels")),
-        (r"^ci_fn\.(per_site_mlp|global_mlp)/b2(/|$)", ("channels",)),
-        (r"^ci_fn\.chunkwise_transformer/params/w_in$", ("chunks", "embed", "hidden")),
-        (r"^ci_fn\.chunkwise_transformer/params/blocks/ln_[12]$", ("chunks", "layers", "norm")),
-        (r"^ci_fn\.chunkwise_transformer/params/blocks/(wq|wk|wv|w1)$",
-         ("chunks", "layers", "embed", "hidden")),
-        (r"^ci_fn\.chunkwise_transformer/params/blocks/(wo|w2)$",
-         ("chunks", "layers", "hidden", "embed")),
-        (r"^ci_fn\.chunkwise_transformer/params/ln_f$", ("chunks", "norm")),
-        (r"^ci_fn\.chunkwise_transformer/params/head_w/", ("chunks", "embed", "channels")),
-        (r"^ci_fn\.chunkwise_transformer/params/head_b/", ("chunks", "channels")),
-        # frozen targets
-        (r"^target\.tms/W$", ("features", "hidden")),
-        (r"^target\.tms/b$", ("features",)),
-        (r"^target\.resid_mlp/W_E$", ("features", "embed")),
-        (r"^target\.resid_mlp/W_in/", ("embed", "hidden")),
-        (r"^target\.resid_mlp/W_out/", ("hidden", "embed")),
-        (r"^target\.llama_simple_mlp/wte$", ("vocab", "embed")),
-        (r"^target\.llama_simple_mlp/(blocks/\d+/ln_[12]|ln_f)$", ("norm",)),
-        (r"^target\.llama_simple_mlp/blocks/\d+/(q_proj|k_proj|v_proj)$", ("embed", "heads")),
-        (r"^target\.llama_simple_mlp/blocks/\d+/o_proj$", ("heads", "embed")),
-        (r"^target\.llama_simple_mlp/blocks/\d+/c_fc$", ("embed", "hidden")),
-        (r"^target\.llama_simple_mlp/blocks/\d+/down_proj$", ("hidden", "embed")),
-    )
+# ---------------------------------------------------------------- one leaf
 
 
 def partition_spec(name: str, shape: tuple[int, ...], logical: tuple[str, ...], mesh,
@@ -257,13 +189,13 @@ def partition_spec(name: str, shape: tuple[int, ...], logical: tuple[str, ...], 
     if "embed" in logical and math.prod(shape) < cfg.mesh.fsdp_min_elements:
         rules = tuple((k, None if k == "embed" else v) for k, v in RULES)
     spec = nn.logical_to_mesh_axes(logical, rules)
-    for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
-        if axes is None:
+    for dim, (size, on) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+        if on is None:
             continue
-        n = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+        n = math.prod(mesh.shape[a] for a in ((on,) if isinstance(on, str) else on))
         if size % n:
             raise MeshError(f"leaf {name!r}: dim {dim} ({logical[dim]}) of size {size} does not "
-                            f"divide over mesh axes {axes} ({n} shards); "
+                            f"divide over mesh axes {on} ({n} shards); "
                             + _fits(logical[dim], size, math.prod(shape), mesh))
     return spec
 
@@ -284,38 +216,74 @@ def _fits(logical: str, size: int, elements: int, mesh) -> str:
 # ---------------------------------------------------------------- placements of trees
 
 
+class Leaf(NamedTuple):
+    """A named leaf of a run: its shape (`struct`: an array, a ShapeDtypeStruct or a
+    checkpoint manifest's leaf info) and the logical axes its module declares."""
+
+    struct: Any
+    axes: axes.Axes
+
+
+def with_axes(structs: dict[str, Any], declared: dict[str, axes.Axes]) -> dict[str, Leaf]:
+    """{name: Leaf} from a tree's named leaves and its logical axes' (`axes.of`), named
+    alike (`resume.named_leaves`)."""
+    assert list(structs) == list(declared), (list(structs), list(declared))
+    return {n: Leaf(x, declared[n]) for n, x in structs.items()}
+
+
+def by_name(named: dict[str, dict[str, Leaf]], infos: dict[str, Any]) -> dict[str, Leaf]:
+    """`infos` ({leaf name: anything with a shape}, e.g. a checkpoint's leaves) with the
+    declared axes of the leaf of that name among `named` (the groups of
+    `programs.run_templates`). MeshError naming a leaf the run does not have."""
+    declared = {n: leaf.axes for group in named.values() for n, leaf in group.items()}
+    unknown = [n for n in infos if n not in declared]
+    if unknown:
+        raise MeshError(f"leaf {unknown[0]!r} is not a leaf of this run (of {len(unknown)} "
+                        "such leaves)")
+    return {n: Leaf(x, declared[n]) for n, x in infos.items()}
+
+
 class Placement:
-    """Every leaf's NamedSharding for one run on one mesh: `names(named)` maps {leaf name:
-    array or shape} (`resume.named_leaves`) to {leaf name: NamedSharding}, `tree(tree,
-    named)` gives the same as a tree shaped like `tree`."""
+    """Every leaf's NamedSharding for one run on one mesh, from its logical axes (declared
+    by its module, ppgd_tpu/axes.py) and the rule table: `names(leaves)` maps {leaf name:
+    Leaf} (`programs.run_templates`) to {leaf name: NamedSharding}, `tree(tree, leaves)`
+    gives the same as a tree shaped like `tree`. `leading_ndim`: the run's leading axes
+    ([B] or [B, T]), which `axes.ROWS` stands for."""
 
     def __init__(self, cfg: Config, mesh, leading_ndim: int):
         self.cfg, self.mesh, self.leading_ndim = cfg, mesh, leading_ndim
         self.replicated = NamedSharding(mesh, PartitionSpec())
 
-    def spec(self, name: str, shape) -> tuple[tuple[str, ...], PartitionSpec]:
-        logical = logical_axes(name, len(shape), self.cfg, self.leading_ndim)
+    def spec(self, name: str, shape, declared: axes.Axes
+             ) -> tuple[tuple[str, ...], PartitionSpec]:
+        """(logical axes, mesh PartitionSpec) of the leaf `name` of `shape` declared with
+        `declared`; MeshError naming it when they do not fit (see `partition_spec`)."""
+        logical = declared.expand(self.leading_ndim)
+        if len(logical) != len(shape):
+            raise MeshError(f"leaf {name!r}: its declared logical axes {logical} do not fit "
+                            f"a {len(shape)}-d array of shape {tuple(shape)}")
         return logical, partition_spec(name, tuple(shape), logical, self.mesh, self.cfg)
 
-    def sharding(self, name: str, shape) -> NamedSharding:
-        return NamedSharding(self.mesh, self.spec(name, shape)[1])
+    def sharding(self, name: str, shape, declared: axes.Axes) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(name, shape, declared)[1])
 
-    def names(self, named: dict) -> dict[str, NamedSharding]:
-        """{name: leaf or ShapeDtypeStruct} -> {name: NamedSharding}."""
-        return {n: self.sharding(n, x.shape) for n, x in named.items()}
+    def names(self, leaves: dict[str, Leaf]) -> dict[str, NamedSharding]:
+        """{name: Leaf} -> {name: NamedSharding}."""
+        return {n: self.sharding(n, x.struct.shape, x.axes) for n, x in leaves.items()}
 
-    def tree(self, tree, named: dict):
-        """A tree of shardings shaped like `tree`, whose leaves `named` names in flatten order."""
-        shardings = self.names(named)
+    def tree(self, tree, leaves: dict[str, Leaf]):
+        """A tree of shardings shaped like `tree`, whose leaves `leaves` names in flatten
+        order."""
+        shardings = self.names(leaves)
         return jax.tree.unflatten(jax.tree.structure(tree), list(shardings.values()))
 
-    def rows(self, named: dict) -> list[tuple[str, tuple, tuple, PartitionSpec, tuple]]:
+    def rows(self, leaves: dict[str, Leaf]) -> list[tuple[str, tuple, tuple, PartitionSpec, tuple]]:
         """(name, shape, logical axes, spec, per-device shard shape) for the table."""
         out = []
-        for n, x in named.items():
-            logical, spec = self.spec(n, x.shape)
-            shard = NamedSharding(self.mesh, spec).shard_shape(tuple(x.shape))
-            out.append((n, tuple(x.shape), logical, spec, shard))
+        for n, x in leaves.items():
+            shape = tuple(x.struct.shape)
+            logical, spec = self.spec(n, shape, x.axes)
+            out.append((n, shape, logical, spec, NamedSharding(self.mesh, spec).shard_shape(shape)))
         return out
 
 
@@ -351,48 +319,3 @@ def table(rows) -> str:
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
                      for r in [header, *body])
-
-
-# ---------------------------------------------------------------- one run's placements
-
-
-def run_templates(dec, target, batch: jax.ShapeDtypeStruct,
-                  metrics: bool = True) -> tuple[dict, dict]:
-    """Shapes of every step input/output: ({group: {leaf name: struct}}, {"state", "env":
-    the abstract trees}). Groups: the train state (checkpoint names), the frozen target,
-    the batch, the replay envelope and accumulator, and (`metrics`) the step metrics, which
-    take a trace of the whole step to name (~1.5 s): the steps need none, their metrics are
-    replicated scalars."""
-    from ppgd_tpu import resume  # resume -> replay -> step; mesh stays importable alone
-    from ppgd_tpu.step import zero_accumulator
-
-    state = jax.eval_shape(dec.init, target)
-    env = jax.eval_shape(dec.compute_ci, target, state, batch)
-    acc = jax.eval_shape(zero_accumulator, env)
-    named = {
-        "state": resume.state_leaves(state),
-        "target": resume.named_leaves(target, "target"),
-        "batch": {"batch": batch},
-        "env": resume.named_leaves(env, resume.ENVELOPE),
-        "acc": resume.named_leaves(acc, resume.ACCUMULATOR),
-    }
-    if dec.window_keeps_V:
-        named["env_V"] = resume.named_leaves(state.components.V, resume.ENVELOPE_V)
-    if metrics:
-        named["metrics"] = {f"metrics/{k}": v
-                            for k, v in jax.eval_shape(dec.full, state, target, batch)[1].items()}
-    return named, {"state": state, "env": env}
-
-
-def step_shardings(placement: Placement, dec, target, batch: jax.ShapeDtypeStruct):
-    """replay.Shardings of a run: what every step variant is jitted with."""
-    from ppgd_tpu.replay import Shardings
-
-    named, trees = run_templates(dec, target, batch, metrics=False)
-    for group in ("acc", "env_V"):  # every leaf placed, even the ones sharing a sharding
-        placement.names(named.get(group, {}))
-    return Shardings(state=placement.tree(trees["state"], named["state"]),
-                     target=placement.tree(target, named["target"]),
-                     batch=placement.sharding("batch", batch.shape),
-                     env=placement.tree(trees["env"], named["env"]),
-                     scalar=placement.replicated)

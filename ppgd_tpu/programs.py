@@ -3,6 +3,8 @@
 `Programs(cfg, placement, target, batches)` jits the step variants (replay.py), the placed
 init and faithfulness warmup [S21, R1] and the evals with explicit shardings from the ONE
 rule table (mesh.py) and the run's donation, each traced for the run's mesh (tracing.py).
+`run_templates` names every leaf of a run with the logical axes its module declares
+(axes.py): what those shardings, `ppgd-tpu shardings` and a restore place.
 Nothing here reads data, weights or JAX's device list: `target` may hold arrays (`train`)
 or only their shapes (`ppgd-tpu compile`, over a TPU topology's devices), and both get the
 same programs.
@@ -14,12 +16,12 @@ from typing import NamedTuple
 
 import jax
 
+from ppgd_tpu import axes, resume, tracing
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import mesh as mesh_lib
-from ppgd_tpu import tracing
 from ppgd_tpu.config import Config
-from ppgd_tpu.replay import ReplayController
-from ppgd_tpu.step import Decomposer
+from ppgd_tpu.replay import ReplayController, Shardings
+from ppgd_tpu.step import Decomposer, zero_accumulator
 
 
 class Batches(NamedTuple):
@@ -40,7 +42,7 @@ class Programs:
         self.cfg, self.placement, self.batches = cfg, placement, batches
         mesh = placement.mesh
         self.dec = dec = Decomposer(cfg, target, batches.train.shape)
-        self.shardings = sh = mesh_lib.step_shardings(placement, dec, target, batches.train)
+        self.shardings = sh = step_shardings(placement, dec, target, batches.train)
         self.replay = ReplayController(dec, sh)
         st, rep = sh.state, placement.replicated
 
@@ -53,7 +55,8 @@ class Programs:
                                           out_shardings=st.opt_components)
         self.warmup_part = jit(dec.faithfulness_warmup_part, donate_argnums=(0, 1),
                                out_shardings=(st, st.opt_components))
-        rows = lambda b: None if b is None else placement.sharding("batch", b.shape)
+        rows = lambda b: None if b is None else placement.sharding("batch", b.shape,
+                                                                    target.input_axes)
         self.fast_eval = jit(lambda s, t, x, y: eval_lib.fast_metrics(dec, s, t, x, y),
                              in_shardings=(st, sh.target, rows(batches.eval),
                                            rows(batches.eval_labels)),
@@ -61,3 +64,46 @@ class Programs:
         self.one_hot = jit(lambda s, t: eval_lib.one_hot_ci(dec, s, t),
                            in_shardings=(st, sh.target), out_shardings=rep)
         self.gather = jax.jit(lambda tree: tree, out_shardings=rep)
+
+
+def run_templates(dec, target, batch: jax.ShapeDtypeStruct,
+                  metrics: bool = True) -> tuple[dict, dict]:
+    """Shapes and declared logical axes of every step input/output: ({group: {leaf name:
+    Leaf}}, {"state", "env": the abstract trees}). Groups: the train state (checkpoint
+    names), the frozen target, the batch, the replay envelope and accumulator (and the V
+    it was made with), and (`metrics`) the step metrics, replicated scalars, which take a
+    trace of the whole step to name (~1.5 s): the steps need none."""
+    state = jax.eval_shape(dec.init, target)
+    env = jax.eval_shape(dec.compute_ci, target, state, batch)
+    acc = jax.eval_shape(zero_accumulator, env)
+    state_axes = axes.of(state, dec.opt)
+
+    def group(tree, tree_axes, prefix):
+        return mesh_lib.with_axes(resume.named_leaves(tree, prefix),
+                                  resume.named_leaves(tree_axes, prefix))
+
+    named = {
+        "state": mesh_lib.with_axes(resume.state_leaves(state), resume.state_leaves(state_axes)),
+        "target": group(target, axes.of(target), "target"),
+        "batch": {"batch": mesh_lib.Leaf(batch, target.input_axes)},
+        "env": group(env, axes.of(env), resume.ENVELOPE),
+        "acc": group(acc, axes.of(acc), resume.ACCUMULATOR),
+    }
+    if dec.window_keeps_V:
+        named["env_V"] = group(state.components.V, state_axes.components.V, resume.ENVELOPE_V)
+    if metrics:
+        named["metrics"] = {f"metrics/{k}": mesh_lib.Leaf(v, axes.Axes()) for k, v in
+                            jax.eval_shape(dec.full, state, target, batch)[1].items()}
+    return named, {"state": state, "env": env}
+
+
+def step_shardings(placement: mesh_lib.Placement, dec, target, batch: jax.ShapeDtypeStruct):
+    """replay.Shardings of a run: what every step variant is jitted with."""
+    named, trees = run_templates(dec, target, batch, metrics=False)
+    for group in ("acc", "env_V"):  # every leaf placed, even the ones sharing a sharding
+        placement.names(named.get(group, {}))
+    return Shardings(state=placement.tree(trees["state"], named["state"]),
+                     target=placement.tree(target, named["target"]),
+                     batch=placement.names(named["batch"])["batch"],
+                     env=placement.tree(trees["env"], named["env"]),
+                     scalar=placement.replicated)

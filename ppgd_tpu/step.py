@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ppgd_tpu import tracing
+from ppgd_tpu import axes, tracing
 from ppgd_tpu.config import Config
 from ppgd_tpu.decomp import adversary as adv_lib
 from ppgd_tpu.decomp import ci_fn as ci_lib
@@ -35,21 +35,24 @@ _STOCHASTIC, _PERSISTENT, _FRESH = 1000, 2000, 3000
 
 
 class TrainState(eqx.Module):
-    """All trajectory state [C1] (the frozen target and the data position are not in it)."""
+    """All trajectory state [C1] (the frozen target and the data position are not in it).
+    Logical axes (ppgd_tpu/axes.py): as its modules declare them; the optimizer states' as
+    their parameters' (`axes.of(state, Decomposer.opt)`)."""
 
-    step: jax.Array  # int32 scalar, the GLOBAL step
+    step: jax.Array = axes.field()  # int32 scalar, the GLOBAL step
     components: comp_lib.Components
     ci_fn: Any
-    opt_components: Any
-    opt_ci_fn: Any
+    opt_components: Any = axes.optimizer_state(of="components")
+    opt_ci_fn: Any = axes.optimizer_state(of="ci_fn")
     adversaries: dict[str, adv_lib.Adversary]
 
 
-class Envelope(NamedTuple):
-    """A step's detached (lower, upper) CI pair, in compute dtype (SPEC 1)."""
+class Envelope(eqx.Module):
+    """A step's detached (lower, upper) CI pair, in compute dtype (SPEC 1); per site
+    [*leading, C_s]. The fp32 cotangent accumulator of a `mean` window is one too."""
 
-    lower: dict[str, jax.Array]
-    upper: dict[str, jax.Array]
+    lower: dict[str, jax.Array] = axes.field(axes.ROWS, "channels")
+    upper: dict[str, jax.Array] = axes.field(axes.ROWS, "channels")
 
 
 class ReconPart(NamedTuple):

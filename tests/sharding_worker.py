@@ -14,6 +14,8 @@ import jax
 import numpy as np
 
 from helpers import max_rel
+
+from ppgd_tpu import axes
 from ppgd_tpu import config as config_lib
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu.config import ImpMinConfig
@@ -21,6 +23,7 @@ from ppgd_tpu.data.toy import batch_key
 from ppgd_tpu.decomp import losses
 from ppgd_tpu.engine import Trainer
 from ppgd_tpu.resume import state_leaves
+from ppgd_tpu.step import Envelope
 
 
 def n_shards(x) -> int:
@@ -59,7 +62,8 @@ def main(config_path: str) -> None:
         reads.append([start, stop])
         return rows_np[start:stop]
 
-    gb = mesh_lib.global_batch(fetch, (32, 5), tr.placement.sharding("batch", (32, 5)))
+    gb = mesh_lib.global_batch(fetch, (32, 5), tr.placement.sharding("batch", (32, 5),
+                                                                      tr.target.input_axes))
     out["global_batch_equal"] = bool(np.array_equal(tr.to_host(gb), rows_np))
     out["global_batch_reads"] = sorted(reads)
 
@@ -69,7 +73,8 @@ def main(config_path: str) -> None:
     u = {"a": (rng.uniform(0, 1.2, (32, 6)) * (rng.uniform(size=(32, 6)) < 0.3)).astype(
         np.float32)}
     f = lambda up: losses.imp_min(up, imp, 1.0, 0.1)[0]
-    rows = tr.placement.sharding("training/replay/envelope/upper/a", (32, 6))
+    rows = tr.placement.sharding("training/replay/envelope/upper/a", (32, 6),
+                                 axes.of(Envelope(u, u)).upper["a"])  # an envelope's rows
     u_placed = jax.device_put(u, {"a": rows})
     sharded = jax.jit(jax.value_and_grad(f), out_shardings=(tr.placement.replicated, {"a": rows}))
     val, grad = sharded(u_placed)

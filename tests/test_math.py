@@ -344,7 +344,7 @@ def test_S15_idle_ascents_are_ascents_with_a_zero_gradient(n):
     v0 = np.array([[0.01, 0.02, 1e-6, 0.0, 1e-9, 0.5]], np.float32)
     s0 = np.array([[0.99, 0.01, 0.5, 0.3, 0.2, 0.0]], np.float32)
     adv = adversary.Adversary({"a": jnp.asarray(s0)}, {"a": jnp.asarray(m0)},
-                              {"a": jnp.asarray(v0)}, jnp.float32(4.0))
+                              {"a": jnp.asarray(v0)}, jnp.float32(4.0), "bsc")
     lr = 0.05
     got = adversary.idle_ascents(adv, n, cfg, lr)
     m, v, s = m0.astype(np.float64), v0.astype(np.float64), s0.astype(np.float64)

@@ -12,13 +12,19 @@ import math
 import re
 from pathlib import Path
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
-from ppgd_tpu import cli
+from ppgd_tpu import axes, cli, resume
 from ppgd_tpu import config as config_lib
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu.config import MeshConfig
+from ppgd_tpu.programs import run_templates
+from ppgd_tpu.step import Decomposer
+from ppgd_tpu.targets.base import Target
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
@@ -78,23 +84,88 @@ def test_D3_a_batch_that_does_not_divide_over_the_batch_shards_is_refused():
     mesh_lib.check_batches(cfg, mesh_lib.abstract_mesh(cfg.mesh, 2))  # 2 shards divide both
 
 
-def test_a_leaf_without_a_rule_is_an_error_naming_it_not_a_silent_replication():
+# ---------------------------------------------------------------- logical axes, declared
+
+
+class TwoLayer(Target):
+    """A toy target mesh.py has never heard of: x -> ReLU(x W_in) W_out, its two weights'
+    logical axes declared here, where they are defined."""
+
+    W_in: jax.Array = axes.field("features", "embed")  # [n, d]
+    W_out: jax.Array = axes.field("embed", "features")  # [d, n]
+
+    def site_weights(self):
+        return {"w_in": self.W_in, "w_out": self.W_out}
+
+    def forward(self, inputs, site_fn):
+        return site_fn("w_out", jax.nn.relu(site_fn("w_in", inputs, self.W_in)), self.W_out)
+
+
+class TwoLayerPlus(TwoLayer):
+    """... with a leaf nobody declared axes for."""
+
+    gate: dict[str, jax.Array]
+
+
+def _two_layer_run(target):
+    """{leaf: (logical axes, spec)} of a toy_decomp run of `target` on 2 data x 2 fsdp."""
+    cfg = config_lib.load(str(GOLDEN / "toy_decomp.yaml"), {"mesh.fsdp_min_elements": "256"})
+    dec = Decomposer(cfg, target, (8, 8))
+    named, _ = run_templates(dec, target, jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                             metrics=False)
+    placement = mesh_lib.Placement(cfg, mesh_lib.abstract_mesh(cfg.mesh, 4), 1)
+    return {n: (logical, tuple(spec)) for group in named.values()
+            for n, _, logical, spec, _ in placement.rows(group)}
+
+
+def test_a_target_that_declares_its_axes_is_placed_without_a_rule_for_it_in_mesh_py():
+    """TwoLayer's weights are placed by their declarations alone (mesh 2 data x 2 fsdp, FSDP
+    from 256 elements): W_in [8, 64] on its embed dim, W_out [64, 2] too small to shard;
+    its batch [8, 8] and every leaf of the run it decomposes are placed as well."""
+    rows = _two_layer_run(TwoLayer(W_in=jnp.zeros((8, 64)), W_out=jnp.zeros((64, 2))))
+    assert rows["target/W_in"] == (("features", "embed"), (None, "fsdp"))
+    assert rows["target/W_out"] == (("embed", "features"), (None, None))
+    assert rows["batch"] == (("batch", "features"), (("data", "fsdp"), None))
+    # V of w_in [8, 16] is small; V of w_out [64, 16] is big: FSDP on its embed (d_in) dim
+    assert rows["decomposition/components/V/w_out"] == (("embed", "channels"), ("fsdp", None))
+    assert rows["training/opt_components/0/mu/V/w_out"] == rows["decomposition/components/V/w_out"]
+    assert rows["training/adversaries/shared/sources/w_in"] == (("shared", "channels"),
+                                                                 (None, None))
+    assert rows["training/adversaries/rows/sources/w_in"] == (("batch", "channels"),
+                                                               (("data", "fsdp"), None))
+
+
+def test_a_leaf_without_declared_axes_is_an_error_naming_it_not_a_silent_replication():
+    """A leaf no module declares axes for stops the placement, naming its path; so do
+    declared axes that do not fit the leaf's rank, and a logical name the rule table lacks."""
+    plus = TwoLayerPlus(W_in=jnp.zeros((8, 64)), W_out=jnp.zeros((64, 2)),
+                        gate={"w_in": jnp.zeros((3,))})
+    with pytest.raises(axes.AxesError, match=re.escape(
+            "leaf .gate['w_in'] (shape (3,)): no logical axes declared")):
+        _two_layer_run(plus)
     cfg = config_lib.load(None)
-    with pytest.raises(mesh_lib.MeshError, match="'training/new_thing/x' has no placement rule"):
-        mesh_lib.logical_axes("training/new_thing/x", 2, cfg, 1)
-    # and a rule whose rank does not fit the leaf is refused too
-    with pytest.raises(mesh_lib.MeshError, match="gives 2 axes"):
-        mesh_lib.logical_axes("decomposition/components/V/linear1", 3, cfg, 1)
+    p = mesh_lib.Placement(cfg, mesh_lib.abstract_mesh(cfg.mesh, 1), 1)
+    with pytest.raises(mesh_lib.MeshError, match=re.escape(
+            "leaf 'decomposition/components/V/linear1': its declared logical axes ('embed', "
+            "'channels') do not fit a 3-d array")):
+        p.spec("decomposition/components/V/linear1", (8, 20, 1), V_AXES)
+    with pytest.raises(mesh_lib.MeshError, match=re.escape(
+            "leaf 'x': logical axes ['embedding'] are not in mesh.RULES")):
+        p.spec("x", (8, 20), axes.Axes(("embedding", "channels")))
+
+
+V_AXES = axes.Axes(("embed", "channels"))
 
 
 def test_a_sharded_dim_that_does_not_divide_is_refused_naming_the_leaf():
     cfg = config_lib.load(None, {"mesh.fsdp_min_elements": "0", "mesh.data": "1",
                                  "mesh.fsdp": "4"})
     p = mesh_lib.Placement(cfg, mesh_lib.abstract_mesh(cfg.mesh, 4), 1)
-    assert tuple(p.spec("decomposition/components/V/linear1", (8, 20))[1]) == ("fsdp", None)
+    assert tuple(p.spec("decomposition/components/V/linear1", (8, 20), V_AXES)[1]) == (
+        "fsdp", None)
     with pytest.raises(mesh_lib.MeshError, match="components/V/linear1'.*size 6 does not divide"
                        ) as e:
-        p.spec("decomposition/components/V/linear1", (6, 20))
+        p.spec("decomposition/components/V/linear1", (6, 20), V_AXES)
     # the way out: an fsdp size dividing both 6 and the 4 devices, or replication
     assert ("mesh.fsdp x mesh.dcn_fsdp = one of 1, 2 (what divides both 6 and the 4 devices), "
             "or keep weights of 120 elements replicated with mesh.fsdp_min_elements=121"
@@ -103,18 +174,46 @@ def test_a_sharded_dim_that_does_not_divide_is_refused_naming_the_leaf():
         ok = config_lib.load(None, {"mesh.fsdp_min_elements": "0", "mesh.data": "1",
                                     "mesh.fsdp": "4", **fix})
         mesh_lib.Placement(ok, mesh_lib.abstract_mesh(ok.mesh, 4), 1).spec(
-            "decomposition/components/V/linear1", (6, 20))
+            "decomposition/components/V/linear1", (6, 20), V_AXES)
 
 
-def test_moments_follow_their_parameter_and_small_weights_stay_replicated():
-    cfg = config_lib.load(None, {"mesh.fsdp_min_elements": "100", "mesh.data": "1",
-                                 "mesh.fsdp": "2"})
-    p = mesh_lib.Placement(cfg, mesh_lib.abstract_mesh(cfg.mesh, 2), 1)
-    big, small = (64, 4), (8, 4)
-    for name in ("decomposition/components/V/s", "training/opt_components/0/mu/V/s",
-                 "training/opt_components/0/nu/V/s"):
-        assert tuple(p.spec(name, big)[1]) == ("fsdp", None)
-        assert tuple(p.spec(name, small)[1]) == (None, None)
+@pytest.mark.parametrize("opt", [
+    optax.sgd(0.1, momentum=0.9),
+    optax.lion(1e-3),
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+], ids=["sgd_momentum", "lion", "clip_adamw"])
+def test_any_optimizers_moments_are_placed_like_their_parameters(opt):
+    """The train state with another optax optimizer's states: every moment takes its
+    parameter's declared axes (so its placement), every other optimizer leaf is a scalar."""
+    cfg = config_lib.load(str(GOLDEN / "toy_decomp.yaml"), {"mesh.fsdp_min_elements": "256"})
+    target = TwoLayer(W_in=jnp.zeros((8, 64)), W_out=jnp.zeros((64, 2)))
+    dec = Decomposer(cfg, target, (8, 8))
+
+    def init():
+        s = dec.init(target)
+        return eqx.tree_at(lambda s: (s.opt_components, s.opt_ci_fn), s,
+                           (opt.init(s.components), opt.init(s.ci_fn)))
+
+    state = jax.eval_shape(init)
+    declared = axes.of(state, opt)
+    params = {**resume.named_leaves(declared.components, ""),
+              **resume.named_leaves(declared.ci_fn, "")}
+    p = mesh_lib.Placement(cfg, mesh_lib.abstract_mesh(cfg.mesh, 4), 1)
+    moments = 0
+    for field in ("opt_components", "opt_ci_fn"):
+        structs = resume.named_leaves(getattr(state, field), field)
+        for name, ax in resume.named_leaves(getattr(declared, field), field).items():
+            param = next((q for q in params if name.endswith(q)), None)
+            if param is None:  # not a moment: a step count
+                assert ax == () and structs[name].shape == (), name
+                continue
+            moments += 1
+            assert ax == params[param], name
+            assert p.spec(name, structs[name].shape, ax) == p.spec(
+                param, structs[name].shape, params[param])
+    assert moments >= len(params)
+    sharded = p.spec("m", state.components.V["w_out"].shape, declared.components.V["w_out"])
+    assert tuple(sharded[1]) == ("fsdp", None)  # the check above compared real placements
 
 
 
@@ -142,7 +241,7 @@ NO = frozenset()
 # The embed dim of each weight: the residual-stream / input-feature side, never the component
 # (C), hidden, heads or vocab side. None: no embed dim (biases, norms, CI-fn layers between
 # hidden and C), so replicated whatever the size. An unlisted leaf fails the test: a new leaf
-# needs a deliberate expectation here, as it needs a rule in mesh.py.
+# needs a deliberate expectation here, as it needs declared logical axes.
 EMBED_DIM = (
     (r"decomposition/components/V/[^/]+", 0),  # V [d_in, C]
     (r"decomposition/components/U/[^/]+", 1),  # U [C, d_out]

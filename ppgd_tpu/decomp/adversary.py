@@ -12,17 +12,25 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ppgd_tpu import axes
 from ppgd_tpu.config import PersistentPGDTerm
 from ppgd_tpu.decomp import rng
+
+
+def _source_axes(adv: "Adversary") -> tuple:
+    """Logical axes of a source (and its moments) [*scope, C_s + 1]: `sc` shared by every
+    batch row, `bsc` split with them."""
+    return (axes.SHARED_ROWS if adv.scope == "sc" else axes.ROWS, "channels")
 
 
 class Adversary(eqx.Module):
     """State of one persistent term [S23]: sources, Adam moments (fp32), step count."""
 
-    sources: dict[str, jax.Array]
-    m: dict[str, jax.Array]
-    v: dict[str, jax.Array]
-    step_count: jax.Array  # fp32 scalar
+    sources: dict[str, jax.Array] = axes.field(_source_axes)
+    m: dict[str, jax.Array] = axes.field(_source_axes)
+    v: dict[str, jax.Array] = axes.field(_source_axes)
+    step_count: jax.Array = axes.field()  # fp32 scalar
+    scope: str = eqx.field(static=True)  # `sc` or `bsc`
 
 
 def scope_shape(scope: str, leading: tuple[int, ...]) -> tuple[int, ...]:
@@ -36,7 +44,7 @@ def init(key, scope: str, leading: tuple[int, ...], C: dict[str, int]) -> Advers
            for i, (s, c) in enumerate(C.items())}
     m = {s: jnp.zeros_like(x) for s, x in src.items()}
     v = {s: jnp.zeros_like(x) for s, x in src.items()}  # distinct buffers: state is donated
-    return Adversary(sources=src, m=m, v=v, step_count=jnp.float32(0.0))
+    return Adversary(sources=src, m=m, v=v, step_count=jnp.float32(0.0), scope=scope)
 
 
 def ascend(adv: Adversary, grad: dict[str, jax.Array], cfg: PersistentPGDTerm, lr) -> Adversary:
@@ -50,7 +58,7 @@ def ascend(adv: Adversary, grad: dict[str, jax.Array], cfg: PersistentPGDTerm, l
         m_hat = m[s] / (1 - b1 ** t)
         v_hat = v[s] / (1 - b2 ** t)
         src[s] = jnp.clip(x + lr * m_hat / (jnp.sqrt(v_hat) + cfg.eps), 0.0, 1.0)
-    return Adversary(sources=src, m=m, v=v, step_count=t)
+    return Adversary(sources=src, m=m, v=v, step_count=t, scope=adv.scope)
 
 
 def idle_ascents(adv: Adversary, n: int, cfg: PersistentPGDTerm, lr) -> Adversary:
@@ -73,7 +81,7 @@ def idle_ascents(adv: Adversary, n: int, cfg: PersistentPGDTerm, lr) -> Adversar
         src[s] = jnp.clip(x + move, 0.0, 1.0)
     return Adversary(sources=src, m={s: b1 ** n * m for s, m in adv.m.items()},
                      v={s: b2 ** n * v for s, v in adv.v.items()},
-                     step_count=adv.step_count + n)
+                     step_count=adv.step_count + n, scope=adv.scope)
 
 
 def sign_pgd(key, scope: str, leading, C: dict[str, int], n_steps: int, step_size: float,

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppgd_tpu import axes
 from ppgd_tpu.config import CIFnConfig
 from ppgd_tpu.decomp import rng
 from ppgd_tpu.decomp.component_mlp import site_mlps
@@ -75,10 +76,10 @@ class PerComponentMLP(eqx.Module):
     """SPD's CI fn: component c's logit from its own inner activation x @ V[:, c] through a
     1 -> h -> 1 GELU MLP with its own weights (all components of a site vectorised)."""
 
-    w1: dict[str, jax.Array]  # [C, h]
-    b1: dict[str, jax.Array]  # [C, h]
-    w2: dict[str, jax.Array]  # [C, h]
-    b2: dict[str, jax.Array]  # [C]
+    w1: dict[str, jax.Array] = axes.field("channels", "hidden")  # [C, h]
+    b1: dict[str, jax.Array] = axes.field("channels", "hidden")  # [C, h]
+    w2: dict[str, jax.Array] = axes.field("channels", "hidden")  # [C, h]
+    b2: dict[str, jax.Array] = axes.field("channels")  # [C]
     detach_inputs: bool = eqx.field(static=True)
 
     @property
@@ -101,10 +102,10 @@ class PerComponentMLP(eqx.Module):
 class PerSiteMLP(eqx.Module):
     """A d_in -> h -> C GELU MLP per site, reading the site's input."""
 
-    w1: dict[str, jax.Array]
-    b1: dict[str, jax.Array]
-    w2: dict[str, jax.Array]
-    b2: dict[str, jax.Array]
+    w1: dict[str, jax.Array] = axes.field("embed", "hidden")  # [d_in, h]
+    b1: dict[str, jax.Array] = axes.field("hidden")
+    w2: dict[str, jax.Array] = axes.field("hidden", "channels")  # [h, C]
+    b2: dict[str, jax.Array] = axes.field("channels")
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -118,10 +119,10 @@ class PerSiteMLP(eqx.Module):
 class GlobalMLP(eqx.Module):
     """One GELU MLP over the concatenation of every site's input, split into per-site logits."""
 
-    w1: jax.Array
-    b1: jax.Array
-    w2: jax.Array
-    b2: jax.Array
+    w1: jax.Array = axes.field("embed", "hidden")  # [sum d_in, h]
+    b1: jax.Array = axes.field("hidden")
+    w2: jax.Array = axes.field("hidden", "channels")  # [h, sum C]
+    b2: jax.Array = axes.field("channels")
     sites: tuple[str, ...] = eqx.field(static=True)
     widths: tuple[int, ...] = eqx.field(static=True)
 

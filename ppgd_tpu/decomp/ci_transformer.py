@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppgd_tpu import axes
 from ppgd_tpu.config import CIFnConfig, ConfigError
 from ppgd_tpu.decomp import rng
 from ppgd_tpu.targets.llama_simple_mlp import apply_rope, attention, gelu, rms_norm, \
@@ -36,30 +37,30 @@ ROPE_BASE = 10000.0
 
 
 class Blocks(eqx.Module):
-    """Transformer blocks, stacked: [K chunks, n_blocks, ...]."""
+    """Transformer blocks, stacked: [K chunks, n_blocks, ...] (axes declared per block)."""
 
-    ln_1: jax.Array  # [K, n, d]
-    wq: jax.Array  # [K, n, d, d]
-    wk: jax.Array
-    wv: jax.Array
-    wo: jax.Array
-    ln_2: jax.Array  # [K, n, d]
-    w1: jax.Array  # [K, n, d, d_mlp]
-    w2: jax.Array  # [K, n, d_mlp, d]
+    ln_1: jax.Array = axes.field("norm")  # [K, n, d]
+    wq: jax.Array = axes.field("embed", "hidden")  # [K, n, d, d]
+    wk: jax.Array = axes.field("embed", "hidden")
+    wv: jax.Array = axes.field("embed", "hidden")
+    wo: jax.Array = axes.field("hidden", "embed")
+    ln_2: jax.Array = axes.field("norm")  # [K, n, d]
+    w1: jax.Array = axes.field("embed", "hidden")  # [K, n, d, d_mlp]
+    w2: jax.Array = axes.field("hidden", "embed")  # [K, n, d_mlp, d]
 
 
 class ChunkParams(eqx.Module):
-    """Everything with a leading chunk axis K (vmapped over)."""
+    """Everything with a leading chunk axis K (vmapped over; axes declared per chunk)."""
 
-    w_in: jax.Array  # [K, D_in, d]
-    blocks: Blocks
-    ln_f: jax.Array  # [K, d]
-    head_w: tuple[jax.Array, ...]  # per site position j: [K, d, C_j]
-    head_b: tuple[jax.Array, ...]  # [K, C_j]
+    w_in: jax.Array = axes.field("embed", "hidden")  # [K, D_in, d]
+    blocks: Blocks = axes.field(stack=("layers",))  # scanned over
+    ln_f: jax.Array = axes.field("norm")  # [K, d]
+    head_w: tuple[jax.Array, ...] = axes.field("embed", "channels")  # per position j: [K, d, C_j]
+    head_b: tuple[jax.Array, ...] = axes.field("channels")  # [K, C_j]
 
 
 class ChunkwiseTransformer(eqx.Module):
-    params: ChunkParams
+    params: ChunkParams = axes.field(stack=("chunks",))
     chunks: tuple[tuple[str, ...], ...] = eqx.field(static=True)  # sites per chunk
     chunk_taps: tuple[tuple[str, ...], ...] = eqx.field(static=True)
     n_heads: int = eqx.field(static=True)

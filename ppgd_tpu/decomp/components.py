@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppgd_tpu import axes
 from ppgd_tpu.config import ConfigError
 from ppgd_tpu.decomp import rng
 
 
 class Components(eqx.Module):
-    V: dict[str, jax.Array]
-    U: dict[str, jax.Array]
+    V: dict[str, jax.Array] = axes.field("embed", "channels")  # V_s [d_in, C_s]
+    U: dict[str, jax.Array] = axes.field("channels", "embed")  # U_s [C_s, d_out]
 
     @property
     def sites(self) -> tuple[str, ...]:

@@ -161,7 +161,7 @@ def scan(trainer, state, n_rows: int, top_k: int, progress: bool) -> Scan:
         shape = (b, T)
     else:
         T, row_ids, shape = 1, None, (b, trainer.target.n_features)
-    rows_sharding = placement.sharding("batch", shape)
+    rows_sharding = placement.sharding("batch", shape, trainer.target.input_axes)
     rep = placement.replicated
     acc = {s: _empty(dec.C[s], top_k if lm else None) for s in dec.sites}
     acc = jax.device_put(acc, rep)

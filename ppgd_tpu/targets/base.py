@@ -13,12 +13,13 @@ The target is an equinox module passed to jit as an ARGUMENT, never closed over.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
 import numpy as np
 
+from ppgd_tpu import axes
 from ppgd_tpu.decomp.divergence import mse
 from ppgd_tpu.targets.lowrank import dense, lift, select_rows
 
@@ -64,7 +65,11 @@ def site_out(x, W, V, U, m: SiteMask):
 
 
 class Target(eqx.Module):
-    """Base class: subclasses define `site_weights`, `forward` and the toy metadata."""
+    """Base class: subclasses define `site_weights`, `forward` and the toy metadata, and
+    declare their weights' logical axes on their fields (ppgd_tpu/axes.py)."""
+
+    # The logical axes of an input batch: [B, n] for position-less toys (`leading_shape`).
+    input_axes: ClassVar[axes.Axes] = axes.Axes((axes.ROWS, "features"))
 
     def site_weights(self) -> dict[str, jax.Array]:
         """{site: W [d_in, d_out]} in canonical site order."""

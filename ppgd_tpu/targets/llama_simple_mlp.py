@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppgd_tpu import axes
 from ppgd_tpu.config import ConfigError, LlamaConfig
 from ppgd_tpu.tracing import shard_rows
 from ppgd_tpu.decomp.divergence import kl
@@ -105,14 +106,14 @@ def attention(q, k, v, causal: bool):
 
 
 class Block(eqx.Module):
-    ln_1: jax.Array  # [d]
-    q_proj: jax.Array  # [d, H*hd]
-    k_proj: jax.Array  # [d, Hkv*hd]
-    v_proj: jax.Array  # [d, Hkv*hd]
-    o_proj: jax.Array  # [H*hd, d]
-    ln_2: jax.Array  # [d]
-    c_fc: jax.Array  # [d, d_mlp]
-    down_proj: jax.Array  # [d_mlp, d]
+    ln_1: jax.Array = axes.field("norm")  # [d]
+    q_proj: jax.Array = axes.field("embed", "heads")  # [d, H*hd]
+    k_proj: jax.Array = axes.field("embed", "heads")  # [d, Hkv*hd]
+    v_proj: jax.Array = axes.field("embed", "heads")  # [d, Hkv*hd]
+    o_proj: jax.Array = axes.field("heads", "embed")  # [H*hd, d]
+    ln_2: jax.Array = axes.field("norm")  # [d]
+    c_fc: jax.Array = axes.field("embed", "hidden")  # [d, d_mlp]
+    down_proj: jax.Array = axes.field("hidden", "embed")  # [d_mlp, d]
 
 
 def _layer_of(name: str) -> int:
@@ -123,9 +124,9 @@ def _layer_of(name: str) -> int:
 
 
 class LlamaSimpleMLP(Target):
-    wte: jax.Array  # [vocab, d], tied with the LM head
+    wte: jax.Array = axes.field("vocab", "embed")  # [vocab, d], tied with the LM head
     blocks: tuple[Block, ...]
-    ln_f: jax.Array  # [d]
+    ln_f: jax.Array = axes.field("norm")  # [d]
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
     rope_base: float = eqx.field(static=True)
@@ -183,6 +184,8 @@ class LlamaSimpleMLP(Target):
     def divergence(self, masked, clean):
         """[S25] KL(softmax(clean) || softmax(masked)), mean over positions."""
         return kl(clean, masked)
+
+    input_axes = axes.Axes((axes.ROWS,))  # tokens [B, T]
 
     def leading_shape(self, batch_shape):
         """Token inputs [B, T]: CI and masks are per position."""

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppgd_tpu import axes
 from ppgd_tpu.config import ResidMLPConfig
 from ppgd_tpu.data.toy import sparse_features
 from ppgd_tpu.targets.base import Target, nonfinite
@@ -18,9 +19,9 @@ from ppgd_tpu.targets.lowrank import LowRank, dense
 
 
 class ResidMLP(Target):
-    W_E: jax.Array  # [n_features, d_embed], unit-norm rows, fixed
-    W_in: tuple[jax.Array, ...]  # per layer [d_embed, d_mlp]
-    W_out: tuple[jax.Array, ...]  # per layer [d_mlp, d_embed]
+    W_E: jax.Array = axes.field("features", "embed")  # [n_features, d_embed], unit-norm rows
+    W_in: tuple[jax.Array, ...] = axes.field("embed", "hidden")  # per layer [d_embed, d_mlp]
+    W_out: tuple[jax.Array, ...] = axes.field("hidden", "embed")  # per layer [d_mlp, d_embed]
     feature_probability: float = eqx.field(static=True)
 
     def site_weights(self):

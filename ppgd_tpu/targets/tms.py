@@ -11,14 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppgd_tpu import axes
 from ppgd_tpu.config import TMSConfig
 from ppgd_tpu.data.toy import sparse_features
 from ppgd_tpu.targets.base import Target, nonfinite
 
 
 class TMS(Target):
-    W: jax.Array  # [n_features, n_hidden]
-    b: jax.Array  # [n_features]
+    W: jax.Array = axes.field("features", "hidden")  # [n_features, n_hidden]
+    b: jax.Array = axes.field("features")  # [n_features]
     n_identity: int = eqx.field(static=True)
     feature_probability: float = eqx.field(static=True)
 
