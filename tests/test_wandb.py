@@ -130,7 +130,7 @@ def test_a_wandb_failure_warns_and_training_goes_on(tmp_path, capfd):
 def test_only_process_0_logs(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "ppgd_tpu.launch_local", "--processes", "2", "--", "train",
+        [sys.executable, "-m", "ppgd_tpu", "launch-local", "--processes", "2", "--", "train",
          f"--run_dir={run_dir}", *TINY, "--decomp.steps=10", "--eval.figures=false"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
         text=True, timeout=600)
