@@ -356,43 +356,40 @@ def table(rows) -> str:
 # ---------------------------------------------------------------- one run's placements
 
 
-def run_templates(dec, target, batch: jax.ShapeDtypeStruct,
+def run_templates(dec, target, batch: jax.ShapeDtypeStruct, window,
                   metrics: bool = True) -> tuple[dict, dict]:
-    """Shapes of every step input/output: ({group: {leaf name: struct}}, {"state", "env":
-    the abstract trees}). Groups: the train state (checkpoint names), the frozen target,
-    the batch, the replay envelope and accumulator, and (`metrics`) the step metrics, which
-    take a trace of the whole step to name (~1.5 s): the steps need none, their metrics are
-    replicated scalars."""
+    """Shapes of every step input/output: ({group: {leaf name: struct}}, {"state": the
+    abstract train state}). Groups: the train state (checkpoint names), the frozen target,
+    the batch, each field of the replay window `window` (replay.Window, abstract; its None
+    fields absent) and (`metrics`) the step metrics, which take a trace of the whole step to
+    name (~1.5 s): the steps need none, their metrics are replicated scalars."""
     from ppgd_tpu import resume  # resume -> replay -> step; mesh stays importable alone
-    from ppgd_tpu.step import zero_accumulator
 
     state = jax.eval_shape(dec.init, target)
-    env = jax.eval_shape(dec.compute_ci, target, state, batch)
-    acc = jax.eval_shape(zero_accumulator, env)
     named = {
         "state": resume.state_leaves(state),
         "target": resume.named_leaves(target, "target"),
         "batch": {"batch": batch},
-        "env": resume.named_leaves(env, resume.ENVELOPE),
-        "acc": resume.named_leaves(acc, resume.ACCUMULATOR),
     }
-    if dec.window_keeps_V:
-        named["env_V"] = resume.named_leaves(state.components.V, resume.ENVELOPE_V)
+    for field, tree in window._asdict().items():
+        if tree is not None:
+            named[field] = resume.named_leaves(tree, f"{resume.WINDOW}/{field}")
     if metrics:
         named["metrics"] = {f"metrics/{k}": v
                             for k, v in jax.eval_shape(dec.full, state, target, batch)[1].items()}
-    return named, {"state": state, "env": env}
+    return named, {"state": state}
 
 
-def step_shardings(placement: Placement, dec, target, batch: jax.ShapeDtypeStruct):
-    """replay.Shardings of a run: what every step variant is jitted with."""
+def step_shardings(placement: Placement, dec, target, batch: jax.ShapeDtypeStruct, window):
+    """replay.Shardings of a run: what every step variant is jitted with; `window` the
+    abstract replay window with every field (replay.window_template)."""
     from ppgd_tpu.replay import Shardings
 
-    named, trees = run_templates(dec, target, batch, metrics=False)
-    for group in ("acc", "env_V"):  # every leaf placed, even the ones sharing a sharding
-        placement.names(named.get(group, {}))
+    named, trees = run_templates(dec, target, batch, window, metrics=False)
+    for group in ("accumulator", "envelope_V"):  # every leaf placed, even the ones sharing
+        placement.names(named.get(group, {}))  # a sharding
     return Shardings(state=placement.tree(trees["state"], named["state"]),
                      target=placement.tree(target, named["target"]),
                      batch=placement.sharding("batch", batch.shape),
-                     env=placement.tree(trees["env"], named["env"]),
+                     env=placement.tree(window.envelope, named["envelope"]),
                      scalar=placement.replicated)

@@ -18,7 +18,7 @@ from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu import tracing
 from ppgd_tpu.config import Config
-from ppgd_tpu.replay import ReplayController
+from ppgd_tpu.replay import ReplayController, window_template
 from ppgd_tpu.step import Decomposer
 
 
@@ -40,7 +40,9 @@ class Programs:
         self.cfg, self.placement, self.batches = cfg, placement, batches
         mesh = placement.mesh
         self.dec = dec = Decomposer(cfg, target, batches.train.shape)
-        self.shardings = sh = mesh_lib.step_shardings(placement, dec, target, batches.train)
+        self.shardings = sh = mesh_lib.step_shardings(
+            placement, dec, target, batches.train,
+            window_template(dec, target, batches.train))
         self.replay = ReplayController(dec, sh)
         st, rep = sh.state, placement.replicated
 

@@ -89,9 +89,8 @@ class Decomposer:
         self.run_key = lambda: jax.random.key(cfg.seed)
         # the CI fn's values depend on V (the per-component family): an envelope is a
         # function of the V it was computed with, and V moves inside a replay window
+        # (a `mean` window keeps the V its envelope was made with: replay.py)
         self.envelope_reads_V = ci_lib.reads_V(cfg.decomp.ci_fn.kind)
-        # ... so a `mean` window keeps the V its envelope was made with (replay.py)
-        self.window_keeps_V = self.envelope_reads_V and cfg.data.replay_ci_update == "mean"
         # live_rows.py: a position-less target's recon forwards may skip all-zero rows
         # (done where the program runs on CPU: `live_rows`)
         self.live_sizes = live_lib.sizes(self.leading[0], target.live_row_probability)
@@ -389,11 +388,11 @@ class Decomposer:
 
     def mean_update(self, model_env, state: TrainState, acc: Envelope, batch):
         """`mean`, t = k-1: the last repeat step, then ONE CI update with the window mean.
-        `model_env` = (target, envelope), plus the V that made the envelope where
-        `envelope_reads_V`."""
-        target, env, *env_V = model_env
+        `model_env` = (target, envelope, the V that made the envelope: None where the CI fn
+        does not read V)."""
+        target, env, env_V = model_env
         new, _, _, metrics = self._step(state, target, batch, env, acc, update_ci_from_acc=True,
-                                        env_V=env_V[0] if env_V else None)
+                                        env_V=env_V)
         return new, metrics
 
 
