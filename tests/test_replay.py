@@ -16,7 +16,8 @@ from ppgd_tpu.decomp.schedules import schedule_value
 from ppgd_tpu import replay
 from ppgd_tpu.config import DataConfig
 from ppgd_tpu.replay import ReplayController
-from ppgd_tpu.step import Decomposer, Envelope
+from ppgd_tpu.decomp.live_rows import Subset
+from ppgd_tpu.step import CIRows, Decomposer, Envelope
 from ppgd_tpu.targets import tms
 
 K = 4
@@ -124,12 +125,11 @@ def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target, ci_kind):
     # SPEC 7: the window-mean envelope cotangent pulled back through ONE CI-fn vjp. Build it
     # from the pieces: per-step cotangents d loss / d envelope at each pre-step state.
     env = dec.compute_ci(target, states[0], batch)
-    clean = target.clean_output(batch)
+    every = Subset.all(64)
     cots = []
     for st in states:
-        key = jax.random.fold_in(dec.run_key(), st.step)
-        loss = lambda e: dec._losses(key, st.step, target, target.site_weights(), batch, clean,
-                                     st.components, {}, e)[0]
+        loss = lambda e: dec._losses(dec._inputs(st.step, target, batch), every,
+                                     CIRows(every.take, None), st.components, {}, e)[0]
         cots.append(jax.grad(loss)(env))
     mean_cot = jax.tree.map(lambda *xs: sum(xs) / K, *cots)
     def envelope_of(ci_fn, components):
