@@ -6,7 +6,7 @@ The train path with shapes instead of arrays: the config's target is built under
 `eval_shape` (no weights, store or target file), the mesh is made by the run's own rules
 (mesh.make_mesh: ICI within a slice, DCN across slices) over the devices of a TPU topology
 that libtpu's compiler describes without a TPU, and `Programs` (programs.py) jits every
-step variant the config's replay mode runs (replay.VARIANTS) and the fast eval with the
+step variant the config's replay mode runs (replay.POLICIES) and the fast eval with the
 shardings and donation `train` uses. Each is lowered and compiled by the real TPU compiler.
 
 Per variant it reports: compile time; per-chip memory (arguments, outputs, temporaries,
@@ -145,25 +145,24 @@ def _abstract_target(cfg: Config):
 def variants(cfg: Config, programs, target) -> dict[str, tuple]:
     """{name: (jitted program, abstract args, index of the train-state arg, index of the
     (model, envelope) arg or None)} of every program a run of `cfg` runs each step or
-    eval (replay.VARIANTS of its mode, then `eval`); `target` abstract, as `programs` was
-    built with."""
-    from ppgd_tpu.replay import VARIANTS
-    from ppgd_tpu.step import zero_accumulator
+    eval (replay.POLICIES[mode].programs(), then `eval`); `target` abstract, as `programs`
+    was built with."""
+    from ppgd_tpu.replay import POLICIES, window_template
 
     dec, replay, b = programs.dec, programs.replay, programs.batches
     state = jax.eval_shape(dec.init, target)
-    env = jax.eval_shape(dec.compute_ci, target, state, b.train)
-    acc = jax.eval_shape(zero_accumulator, env)
-    made = (target, env, state.components.V) if dec.window_keeps_V else (target, env)
+    w = window_template(dec, target, b.train, replay.held)
     table = {
         "full": ((state, target, b.train), 0, None),
         "full_keep": ((state, target, b.train), 0, None),
         "compute_ci": ((target, state, b.train), 1, None),
-        "repeat": (((target, env), state, b.train), 1, 0),
-        "mean_accum": (((target, env), state, acc, b.train), 1, 0),
-        "mean_update": ((made, state, acc, b.train), 1, 0),
+        "repeat": (((target, w.envelope), state, b.train), 1, 0),
+        "mean_accum": (((target, w.envelope), state, w.accumulator, b.train), 1, 0),
+        "mean_update": (((target, w.envelope, w.envelope_V), state, w.accumulator, b.train),
+                        1, 0),
     }
-    out = {v: (getattr(replay, v), *table[v]) for v in VARIANTS[cfg.data.replay_ci_update]}
+    out = {v: (getattr(replay, v), *table[v])
+           for v in POLICIES[cfg.data.replay_ci_update].programs()}
     out["eval"] = (programs.fast_eval, (state, target, b.eval, b.eval_labels), 0, None)
     return out
 

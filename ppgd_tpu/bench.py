@@ -440,9 +440,6 @@ class CompileCount:
         jax.monitoring.unregister_event_duration_listener(self._count)
 
 
-REPLAY_MODES = ("every", "first", "last", "mean")
-
-
 def bench_replay(args: list[str]) -> int:
     """Replay A/B in one process, compiles excluded.
 
@@ -466,7 +463,7 @@ def bench_replay(args: list[str]) -> int:
       the timed rounds; 0 unless a variant recompiles past its first window."""
     from ppgd_tpu import config as config_lib
     from ppgd_tpu.engine import Trainer
-    from ppgd_tpu.replay import ReplayController
+    from ppgd_tpu.replay import POLICIES, ReplayController
     from ppgd_tpu.step import Decomposer
 
     cfg, extra = cmdline.parse_config_args(args, {
@@ -487,12 +484,13 @@ def bench_replay(args: list[str]) -> int:
     report = {"config": cfg.name, "k": k, **ci_fn_split(trainer, jax.tree.map(jnp.copy, state), 5)}
     report["repeat_over_full"] = report["repeat_step_ms"] / report["full_step_ms"]
     target = trainer.target
+    modes = tuple(POLICIES)
     ctls = {mode: ReplayController(Decomposer(with_mode(mode), target,
                                               trainer.data.batch_shape))
-            for mode in REPLAY_MODES}
+            for mode in modes}
     # every run starts from the same state, a copy of its own (every variant donates it)
     states = {name: jax.tree.map(jnp.copy, state)
-              for name in (*REPLAY_MODES, "first_full", "first_repeat")}
+              for name in (*modes, "first_full", "first_repeat")}
     first = ctls["first"]
     env = {}  # the envelope `first_repeat` replays, kept by `first_full`'s last step
 
@@ -517,14 +515,14 @@ def bench_replay(args: list[str]) -> int:
             st, m = first.repeat((target, env["first"]), st, trainer.batch(s // k))
         states["first_repeat"] = jax.block_until_ready((st, m))[0]
 
-    runs = {mode: window(mode) for mode in REPLAY_MODES}
+    runs = {mode: window(mode) for mode in modes}
     runs.update(first_full=first_full, first_repeat=first_repeat)
     times, compiles = _rotating_rounds(runs, rounds)
     per_step = {name: np.array(t) / k for name, t in times.items()}
     report["rounds"] = rounds
-    for mode in REPLAY_MODES:
+    for mode in modes:
         report[f"window_step_ms/{mode}"] = 1e3 * float(np.median(per_step[mode]))
-    for mode in REPLAY_MODES[1:]:
+    for mode in modes[1:]:
         report[f"window_step_vs_every/{mode}"] = float(np.median(per_step[mode]
                                                                  / per_step["every"]))
     full, repeat = per_step["first_full"], per_step["first_repeat"]

@@ -162,6 +162,7 @@ def cmd_shardings(args: list[str]) -> int:
     import jax
 
     from ppgd_tpu import mesh as mesh_lib
+    from ppgd_tpu import replay
     from ppgd_tpu.data import lm as data_lib
     from ppgd_tpu.programs import run_templates
     from ppgd_tpu.step import Decomposer
@@ -182,13 +183,12 @@ def cmd_shardings(args: list[str]) -> int:
         dec = Decomposer(cfg, target, data_lib.batch_shape(cfg, target))
         batch = jax.ShapeDtypeStruct(data_lib.batch_shape(cfg, target),
                                      data_lib.batch_dtype(target))
-        named, _ = run_templates(dec, target, batch)
+        held = replay.POLICIES[cfg.data.replay_ci_update].held(dec.envelope_reads_V)
+        named, _ = run_templates(dec, target, batch,
+                                 replay.window_template(dec, target, batch, held))
         placement = mesh_lib.Placement(cfg, mesh, len(dec.leading))
-        mode = cfg.data.replay_ci_update  # the window's leaves exist in these modes only
-        held = {"env": mode != "every", "acc": mode == "mean"}
-        for group, leaves in named.items():
-            if held.get(group, True):
-                rows.extend(placement.rows(leaves))
+        for leaves in named.values():
+            rows.extend(placement.rows(leaves))
 
     jax.eval_shape(trace)
     print(f"mesh {dict(mesh.shape)} over {n_dev} devices, {extra['processes']} process(es)")

@@ -29,7 +29,7 @@ from ppgd_tpu.consumer import save_decomposition
 from ppgd_tpu.data import lm as data_lib
 from ppgd_tpu.decomp.components import resolve_sites, resolve_ties
 from ppgd_tpu.programs import Batches, Programs, run_templates
-from ppgd_tpu.replay import ReplayController
+from ppgd_tpu.replay import ReplayController, window_template
 from ppgd_tpu.step import TrainState
 from ppgd_tpu.targets import build as target_build
 from ppgd_tpu.trace import StepTrace
@@ -142,8 +142,9 @@ class Trainer:
     def restore(self, run_dir: str, step: int):
         """Checkpoint leaves placed on THIS run's mesh, whatever mesh wrote them [C4]."""
         infos = checkpoint.committed_manifest(run_dir, step).leaves
-        named, _ = run_templates(self.dec, self.target, self.programs.batches.train,
-                                 metrics=False)
+        batch = self.programs.batches.train
+        named, _ = run_templates(self.dec, self.target, batch,
+                                 window_template(self.dec, self.target, batch), metrics=False)
         try:
             shardings = self.placement.names(mesh_lib.by_name(named, infos))
         except mesh_lib.MeshError as e:  # a leaf no state of this code has

@@ -26,6 +26,7 @@ from ppgd_tpu.data.toy import EVAL_TAG
 from ppgd_tpu.decomp import adversary as adv_lib
 from ppgd_tpu.decomp import components as comp_lib
 from ppgd_tpu.decomp import losses
+from ppgd_tpu.decomp.live_rows import Subset
 from ppgd_tpu.step import Decomposer, TrainState
 from ppgd_tpu.targets.base import SiteMask, Target
 
@@ -59,7 +60,8 @@ def fast_metrics(dec: Decomposer, state: TrainState, target: Target, batch, labe
         "ci_masked": {s: SiteMask(ci.lower[s]) for s in dec.sites},
         "zero": {s: SiteMask(jnp.zeros_like(ci.lower[s])) for s in dec.sites},
         "stochastic": losses.stochastic_masks(jax.random.fold_in(key, 0), ci.lower, dec.sites,
-                                              "all", cfg.decomp.use_delta),
+                                              "all", cfg.decomp.use_delta,
+                                              Subset.all(batch.shape[0])),
     }
     if labels is not None:
         masks["rounded"] = {s: SiteMask(jnp.round(ci.lower[s])) for s in dec.sites}

@@ -20,8 +20,8 @@ from ppgd_tpu import axes, resume, tracing
 from ppgd_tpu import eval as eval_lib
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu.config import Config
-from ppgd_tpu.replay import ReplayController, Shardings
-from ppgd_tpu.step import Decomposer, zero_accumulator
+from ppgd_tpu.replay import ReplayController, Shardings, Window, window_template
+from ppgd_tpu.step import Decomposer
 
 
 class Batches(NamedTuple):
@@ -42,7 +42,8 @@ class Programs:
         self.cfg, self.placement, self.batches = cfg, placement, batches
         mesh = placement.mesh
         self.dec = dec = Decomposer(cfg, target, batches.train.shape)
-        self.shardings = sh = step_shardings(placement, dec, target, batches.train)
+        self.shardings = sh = step_shardings(placement, dec, target, batches.train,
+                                             window_template(dec, target, batches.train))
         self.replay = ReplayController(dec, sh)
         st, rep = sh.state, placement.replicated
 
@@ -66,16 +67,15 @@ class Programs:
         self.gather = jax.jit(lambda tree: tree, out_shardings=rep)
 
 
-def run_templates(dec, target, batch: jax.ShapeDtypeStruct,
+def run_templates(dec, target, batch: jax.ShapeDtypeStruct, window: Window,
                   metrics: bool = True) -> tuple[dict, dict]:
     """Shapes and declared logical axes of every step input/output: ({group: {leaf name:
-    Leaf}}, {"state", "env": the abstract trees}). Groups: the train state (checkpoint
-    names), the frozen target, the batch, the replay envelope and accumulator (and the V
-    it was made with), and (`metrics`) the step metrics, replicated scalars, which take a
-    trace of the whole step to name (~1.5 s): the steps need none."""
+    Leaf}}, {"state": the abstract train state}). Groups: the train state (checkpoint
+    names), the frozen target, the batch, each field of the replay window `window`
+    (replay.Window, abstract; its None fields absent; the kept V placed as the components'
+    V) and (`metrics`) the step metrics, replicated scalars, which take a trace of the whole
+    step to name (~1.5 s): the steps need none."""
     state = jax.eval_shape(dec.init, target)
-    env = jax.eval_shape(dec.compute_ci, target, state, batch)
-    acc = jax.eval_shape(zero_accumulator, env)
     state_axes = axes.of(state, dec.opt)
 
     def group(tree, tree_axes, prefix):
@@ -86,24 +86,26 @@ def run_templates(dec, target, batch: jax.ShapeDtypeStruct,
         "state": mesh_lib.with_axes(resume.state_leaves(state), resume.state_leaves(state_axes)),
         "target": group(target, axes.of(target), "target"),
         "batch": {"batch": mesh_lib.Leaf(batch, target.input_axes)},
-        "env": group(env, axes.of(env), resume.ENVELOPE),
-        "acc": group(acc, axes.of(acc), resume.ACCUMULATOR),
     }
-    if dec.window_keeps_V:
-        named["env_V"] = group(state.components.V, state_axes.components.V, resume.ENVELOPE_V)
+    for field, tree in window._asdict().items():
+        if tree is not None:
+            tree_axes = state_axes.components.V if field == "envelope_V" else axes.of(tree)
+            named[field] = group(tree, tree_axes, f"{resume.WINDOW}/{field}")
     if metrics:
         named["metrics"] = {f"metrics/{k}": mesh_lib.Leaf(v, axes.Axes()) for k, v in
                             jax.eval_shape(dec.full, state, target, batch)[1].items()}
-    return named, {"state": state, "env": env}
+    return named, {"state": state}
 
 
-def step_shardings(placement: mesh_lib.Placement, dec, target, batch: jax.ShapeDtypeStruct):
-    """replay.Shardings of a run: what every step variant is jitted with."""
-    named, trees = run_templates(dec, target, batch, metrics=False)
-    for group in ("acc", "env_V"):  # every leaf placed, even the ones sharing a sharding
-        placement.names(named.get(group, {}))
+def step_shardings(placement: mesh_lib.Placement, dec, target, batch: jax.ShapeDtypeStruct,
+                   window: Window) -> Shardings:
+    """replay.Shardings of a run: what every step variant is jitted with; `window` the
+    abstract replay window with every field (replay.window_template)."""
+    named, trees = run_templates(dec, target, batch, window, metrics=False)
+    for group in ("accumulator", "envelope_V"):  # every leaf placed, even the ones sharing
+        placement.names(named.get(group, {}))  # a sharding
     return Shardings(state=placement.tree(trees["state"], named["state"]),
                      target=placement.tree(target, named["target"]),
                      batch=placement.names(named["batch"])["batch"],
-                     env=placement.tree(trees["env"], named["env"]),
+                     env=placement.tree(window.envelope, named["envelope"]),
                      scalar=placement.replicated)

@@ -2,18 +2,9 @@
 
 The train state is flattened to named leaves: `decomposition/...` holds V/U and the CI fn
 (what consumers load), `training/...` everything else (both optimizer states, every
-adversary, the step). The replay window adds only what cannot be recomputed bit for bit:
-
-| mode  | stored in a mid-window checkpoint | rebuilt at restore                               |
-|-------|-----------------------------------|--------------------------------------------------|
-| every | nothing                           | nothing                                          |
-| first | the envelope of the window's t=0  | (it came from the pre-update CI fn, now gone)    |
-| last  | nothing                           | compute_ci from the CI fn, unchanged since t = 0 |
-| mean  | the fp32 cotangent accumulator    | the envelope: compute_ci, as at t = 0            |
-
-A CI fn whose values depend on the components (the per-component toy family) cannot rebuild
-the t = 0 envelope after V moved, so with it `last` and `mean` store the envelope too, and
-`mean` the V that made it (its CI update is taken there).
+adversary, the step). A mid-window checkpoint adds the fields of the replay window that a
+restore cannot rebuild bit for bit (`replay.Policy.stored`: the table in replay.py), as
+`training/replay/<field>/...`.
 
 So resuming at any step continues the uninterrupted trajectory exactly [C3]. The frozen
 target and the data position are not stored: the batch is a pure function of (seed, s // k).
@@ -27,14 +18,11 @@ import jax
 
 from ppgd_tpu.checkpoint.manifest import DamagedCheckpoint, Manifest
 from ppgd_tpu.replay import ReplayController
-from ppgd_tpu.step import Decomposer, TrainState, zero_accumulator
+from ppgd_tpu.step import Decomposer, TrainState
 
 STATE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))  # its flatten order
 DECOMPOSITION_FIELDS = ("components", "ci_fn")
-# where a mid-window checkpoint keeps the replay window's state (the table above)
-ENVELOPE = "training/replay/envelope"
-ACCUMULATOR = "training/replay/accumulator"
-ENVELOPE_V = "training/replay/envelope_V"
+WINDOW = "training/replay"  # where a mid-window checkpoint keeps the replay window's state
 
 
 def _key_name(k) -> str:
@@ -55,10 +43,6 @@ def _state_prefix(field: str) -> str:
     return f"{part}/{field}"
 
 
-def _stores_envelope(replay: ReplayController) -> bool:
-    return replay.mode == "first" or (replay.mode != "every" and replay.envelope_reads_V)
-
-
 def state_leaves(state: TrainState) -> dict[str, jax.Array]:
     """{checkpoint name: leaf} of the train state, in the state's flatten order."""
     out = {}
@@ -72,12 +56,7 @@ def checkpoint_leaves(state: TrainState, replay: ReplayController) -> dict[str, 
     out = state_leaves(state)
     if int(state.step) % replay.k == 0:  # a window boundary: nothing of the window survives
         return out
-    if _stores_envelope(replay):
-        out.update(named_leaves(replay.env, ENVELOPE))
-    if replay.mode == "mean":
-        out.update(named_leaves(replay.acc, ACCUMULATOR))
-    if replay.window_keeps_V:
-        out.update(named_leaves(replay.env_V, ENVELOPE_V))
+    out.update(named_leaves(replay.saved(), WINDOW))
     return out
 
 
@@ -116,15 +95,7 @@ def restore_state(dec: Decomposer, target, arrays: dict) -> TrainState:
 
 def restore_window(replay: ReplayController, dec: Decomposer, state: TrainState, target,
                    batch, arrays: dict) -> None:
-    """Rebuilds the replay window at a mid-window step exactly [W6] (see the table above)."""
-    if replay.mode == "every":
-        return
-    template = jax.eval_shape(dec.compute_ci, target, state, batch)
-    if _stores_envelope(replay):
-        replay.env = _fill(template, arrays, ENVELOPE)
-    else:
-        replay.env = replay.compute_ci(target, state, batch)
-    if replay.mode == "mean":
-        replay.acc = _fill(jax.eval_shape(zero_accumulator, template), arrays, ACCUMULATOR)
-    if replay.window_keeps_V:
-        replay.env_V = _fill(state.components.V, arrays, ENVELOPE_V)
+    """Rebuilds the replay window at a mid-window step exactly [W6]: the controller gets
+    what the checkpoint stored of it and rebuilds the rest."""
+    stored = _fill(replay.stored_template(dec, target, batch), arrays, WINDOW)
+    replay.resume(state, target, batch, stored)

@@ -16,6 +16,7 @@ from helpers import config
 from ppgd_tpu.config import ImpMinConfig, PersistentPGDTerm, Schedule, StochasticTerm
 from ppgd_tpu.decomp import adversary, ci_fn, component_mlp, components, losses, rng, schedules
 from ppgd_tpu.decomp.divergence import kl
+from ppgd_tpu.decomp.live_rows import Subset
 from ppgd_tpu.targets import resid_mlp, tms
 from ppgd_tpu.targets.base import SiteMask
 
@@ -293,7 +294,7 @@ def test_S10_plans_and_mean_over_all_forwards():
 
     term = StochasticTerm(plan="chunked", chunk_size=2, n_draws=3)
     out = losses.stochastic_recon(jax.random.key(0), term, losses.stochastic_plan(term, sites),
-                                  lower, recon, True)
+                                  lower, recon, True, Subset.all(4))
     assert len(calls) == 9
     assert float(out) == pytest.approx((2 + 2 + 1) / 3)
 
@@ -587,7 +588,7 @@ def test_fresh_pgd_term_trains_components_not_sources_and_is_adversarial(scope):
     times its gradient at the fixed sources (a coeff-0 run differs by that), and so does the
     step's component gradient (its logged norm); nothing persists between steps."""
     from ppgd_tpu.config import FreshPGDTerm
-    from ppgd_tpu.step import _FRESH, Decomposer, Envelope
+    from ppgd_tpu.step import _FRESH, CIRows, Decomposer, Envelope
 
     n_steps, step_size, coeff = 5, 0.2, 1.5
     t = _toy_target()
@@ -630,11 +631,12 @@ def test_fresh_pgd_term_trains_components_not_sources_and_is_adversarial(scope):
     # The loss's gradient: a coeff-0 term adds nothing, a coeff-c one adds c times the recon's
     # gradient at the fixed sources (none through the ascent), w.r.t. components and lower CI.
     env = dec.compute_ci(t, state, x)
-    w = t.site_weights()
+    every = Subset.all(32)
 
     def loss_grad(d):
-        return jax.grad(lambda c, e: d._losses(step_key, jnp.int32(0), t, w, x, clean, c, {},
-                                               e)[0], argnums=(0, 1))(comps, env)
+        return jax.grad(lambda c, e: d._losses(d._inputs(jnp.int32(0), t, x), every,
+                                               CIRows(every.take, None), c, {}, e)[0],
+                        argnums=(0, 1))(comps, env)
 
     (gc, ge), (gc0, ge0) = loss_grad(dec), loss_grad(dec0)
     fc, fl = jax.grad(recon, argnums=(0, 1))(comps, env.lower, src)
@@ -657,8 +659,8 @@ def test_fresh_pgd_term_trains_components_not_sources_and_is_adversarial(scope):
             return f(c, Envelope(ci.lower, ci.upper))
         return jax.grad(of)(comps)
 
-    g0 = through_ci(lambda c, e: dec0._losses(step_key, jnp.int32(0), t, w, x, clean, c, {},
-                                              e)[0])
+    g0 = through_ci(lambda c, e: dec0._losses(dec0._inputs(jnp.int32(0), t, x), every,
+                                              CIRows(every.take, None), c, {}, e)[0])
     gf = through_ci(lambda c, e: recon(c, e.lower, src))
     norm = lambda tree: float(jnp.sqrt(sum(jnp.sum(jnp.square(a))
                                            for a in jax.tree.leaves(tree))))
@@ -1066,14 +1068,20 @@ def test_subset_put_writes_the_subset_rows_back_and_leaves_the_others():
     full = {"rows": jnp.arange(40 * 3, dtype=jnp.float32).reshape(40, 3),
             "shared": jnp.zeros((1, 3)), "count": jnp.float32(1.0)}
     new = jax.tree.map(lambda a: -1.0 - a, sub.take(full))
-    got = jax.jit(sub.put)(full, new)
+    put = jax.jit(lambda f, t: sub.put(t, lambda: f))
+    got = put(full, new)
     want = np.asarray(full["rows"]).copy()
     want[np.asarray(order)[:16]] = np.asarray(new["rows"])
     np.testing.assert_array_equal(got["rows"], want)
     assert (want < 0).sum() == 16 * 3
     np.testing.assert_array_equal(got["shared"], new["shared"])  # not per row: the new leaf
     assert float(got["count"]) == -2.0
-    np.testing.assert_array_equal(jax.jit(sub.put)(full, sub.take(full))["rows"], full["rows"])
+    np.testing.assert_array_equal(put(full, sub.take(full))["rows"], full["rows"])
+    every = live_rows.Subset.all(40)  # every row in place: each method the identity
+    assert every.take(full) is full and every.put(new, lambda: full) is new
+    assert every.take_and_zero_row(full) is full and every.head(full) is full
+    assert every.share(full["count"]) is full["count"] and every.counts is None
+    assert every.indices is None and every.full_shape((40,)) == (40,)
 
 
 @pytest.mark.parametrize("shape", [(50, 21), (50, 4), (50,), (6, 7, 3)])

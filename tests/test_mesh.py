@@ -23,6 +23,7 @@ from ppgd_tpu import config as config_lib
 from ppgd_tpu import mesh as mesh_lib
 from ppgd_tpu.config import MeshConfig
 from ppgd_tpu.programs import run_templates
+from ppgd_tpu.replay import window_template
 from ppgd_tpu.step import Decomposer
 from ppgd_tpu.targets.base import Target
 
@@ -111,7 +112,8 @@ def _two_layer_run(target):
     """{leaf: (logical axes, spec)} of a toy_decomp run of `target` on 2 data x 2 fsdp."""
     cfg = config_lib.load(str(GOLDEN / "toy_decomp.yaml"), {"mesh.fsdp_min_elements": "256"})
     dec = Decomposer(cfg, target, (8, 8))
-    named, _ = run_templates(dec, target, jax.ShapeDtypeStruct((8, 8), jnp.float32),
+    batch = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    named, _ = run_templates(dec, target, batch, window_template(dec, target, batch),
                              metrics=False)
     placement = mesh_lib.Placement(cfg, mesh_lib.abstract_mesh(cfg.mesh, 4), 1)
     return {n: (logical, tuple(spec)) for group in named.values()

@@ -2,6 +2,7 @@
 [W1, W2], the in-step CI LR [W4] and donation [W5]."""
 
 import math
+import typing
 import warnings
 
 import jax
@@ -12,8 +13,11 @@ import pytest
 from helpers import assert_same, config, leaves
 from ppgd_tpu.config import Config, ConfigError, TMSConfig, load
 from ppgd_tpu.decomp.schedules import schedule_value
+from ppgd_tpu import replay
+from ppgd_tpu.config import DataConfig
 from ppgd_tpu.replay import ReplayController
-from ppgd_tpu.step import Decomposer, Envelope
+from ppgd_tpu.decomp.live_rows import Subset
+from ppgd_tpu.step import CIRows, Decomposer, Envelope
 from ppgd_tpu.targets import tms
 
 K = 4
@@ -106,12 +110,11 @@ def test_W2_mean_update_is_the_mean_of_the_window_ci_gradients(target, ci_kind):
     # SPEC 7: the window-mean envelope cotangent pulled back through ONE CI-fn vjp. Build it
     # from the pieces: per-step cotangents d loss / d envelope at each pre-step state.
     env = dec.compute_ci(target, states[0], batch)
-    clean = target.clean_output(batch)
+    every = Subset.all(64)
     cots = []
     for st in states:
-        key = jax.random.fold_in(dec.run_key(), st.step)
-        loss = lambda e: dec._losses(key, st.step, target, target.site_weights(), batch, clean,
-                                     st.components, {}, e)[0]
+        loss = lambda e: dec._losses(dec._inputs(st.step, target, batch), every,
+                                     CIRows(every.take, None), st.components, {}, e)[0]
         cots.append(jax.grad(loss)(env))
     mean_cot = jax.tree.map(lambda *xs: sum(xs) / K, *cots)
     def envelope_of(ci_fn, components):
@@ -217,6 +220,49 @@ def test_refused_replay_configs():
     ok = load(None, {"data.replay_ci_update": "first", "data.train_batch_replay": "4",
                      "decomp.ci_fn.detach_inputs": "true"})
     assert ok.data.replay_ci_update == "first"
+
+
+def test_the_module_docstring_table_is_the_policy_table():
+    """replay.py's table (SPEC 7's modes [W2]) is POLICIES, row for row, and the config
+    offers exactly its modes."""
+    rows = {}
+    for line in replay.__doc__.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] in typing.get_args(
+                typing.get_type_hints(DataConfig)["replay_ci_update"]):
+            rows[cells[0]] = cells[1:]
+    assert set(rows) == set(replay.POLICIES) == {"every", "first", "last", "mean"}
+    for mode, (t0, mid, last, opens, holds, rebuilds) in rows.items():
+        p = replay.POLICIES[mode]
+        assert p.variants == (t0, mid, last), mode
+        assert p.opens == (opens == "yes"), mode
+        names = {"V": "envelope_V"}
+        assert p.holds == tuple(names.get(h, h) for h in holds.split(", ") if h != "-"), mode
+        assert p.rebuilds == (rebuilds == "envelope"), mode
+        assert set(p.programs()) <= set(replay.CALLS) | {"compute_ci"}
+
+
+@pytest.mark.parametrize("mode,reads_V,held,stored", [
+    ("every", True, (), ()),
+    ("first", False, ("envelope",), ("envelope",)),
+    ("last", False, ("envelope",), ()),
+    ("last", True, ("envelope",), ("envelope",)),
+    ("mean", False, ("envelope", "accumulator"), ("accumulator",)),
+    ("mean", True, ("envelope", "accumulator", "envelope_V"),
+     ("envelope", "accumulator", "envelope_V"))])
+def test_W6_a_checkpoint_stores_what_a_restore_cannot_rebuild(mode, reads_V, held, stored):
+    """The envelope is rebuilt from the CI fn where it has not moved since t = 0 and does not
+    read V (V moves every step); the accumulator and the envelope's V never can be."""
+    p = replay.POLICIES[mode]
+    assert p.held(reads_V) == held and p.stored(reads_V) == stored
+
+
+def test_ci_updated_follows_the_variant_each_position_runs(target):
+    want = {"every": [1, 1, 1, 1], "first": [1, 0, 0, 0], "last": [0, 0, 0, 1],
+            "mean": [0, 0, 0, 1]}
+    for mode, updated in want.items():
+        ctl = ReplayController(Decomposer(_cfg(mode), target, (64, 5)))
+        assert [int(ctl.ci_updated(s)) for s in range(K, 2 * K)] == updated, mode
 
 
 def test_optimizer_state_structure_is_the_same_in_every_mode(target):

@@ -23,7 +23,8 @@ from ppgd_tpu.config import (ImpMinConfig, PersistentPGDTerm, Schedule, Stochast
                              TMSConfig, LOSS_PARTS_BESIDE_RECON)
 from ppgd_tpu.decomp import ci_fn as ci_lib
 from ppgd_tpu.decomp import losses
-from ppgd_tpu.step import Decomposer, Envelope
+from ppgd_tpu.decomp.live_rows import Subset
+from ppgd_tpu.step import CIRows, Decomposer, Envelope
 from ppgd_tpu.targets import tms
 
 B = 32
@@ -198,19 +199,17 @@ def test_S19_S20_step_updates_are_clipped_adamw_at_the_global_step_lrs(target):
     dec = Decomposer(cfg, target, (B, 5))
     assert getattr(dec.init(target).ci_fn, "grads_into_components", False)
     state = _at_step(dec.init(target), s0)
-    weights = target.site_weights()
     step_fn = jax.jit(dec.full)
 
     @jax.jit
     def grads(comps, ci_fn, x, s):
-        key = jax.random.fold_in(jax.random.key(cfg.seed), s)
         taps = target.read_activations(x, ci_fn.input_names)
-        clean = target.clean_output(x)
+        every = Subset.all(x.shape[0])
 
         def total(c, f):
             ci = ci_lib.ci_from_logits(f(taps, c))
-            return dec._losses(key, s, target, weights, x, clean, c, {},
-                               Envelope(ci.lower, ci.upper))[0]
+            return dec._losses(dec._inputs(s, target, x), every, CIRows(every.take, None), c,
+                               {}, Envelope(ci.lower, ci.upper))[0]
 
         return jax.grad(total, argnums=(0, 1))(comps, ci_fn)
 
@@ -317,7 +316,7 @@ def _sources(key, C, rows, sites, n_draws=1):
 
     lower = {s: jnp.zeros((rows, C)) for s in sites}
     losses.stochastic_recon(key, StochasticTerm(n_draws=n_draws), [tuple(sites)], lower, capture,
-                            use_delta=True)
+                            use_delta=True, rows=Subset.all(rows))
     assert len(captured) == n_draws
     return captured
 

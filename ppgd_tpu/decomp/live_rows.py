@@ -39,29 +39,47 @@ class LiveRows(NamedTuple):
 
 
 class Subset(NamedTuple):
-    """The first `k` rows of `order` (k static): every live row and some dead ones."""
+    """The first `k` rows of `order` (k static): every live row and some dead ones; or
+    `Subset.all(n)`, every row of n in place (no `order`): each method is then the identity,
+    so the step runs one code path whether or not it gathers rows."""
 
-    order: jax.Array
-    slot: jax.Array
+    order: jax.Array | None
+    slot: jax.Array | None
     k: int
 
-    @property
-    def rows(self) -> jax.Array:
-        return self.order[:self.k]
+    @classmethod
+    def all(cls, n: int) -> Subset:
+        """Every one of n rows, in place: nothing gathered, scale 1."""
+        return cls(None, None, n)
 
     @property
-    def scale(self) -> float:
-        """k / rows: turns a mean over the subset into its share of the batch mean."""
-        return self.k / self.order.shape[0]
+    def indices(self) -> jax.Array | None:
+        """The subset's rows of the batch (None: all of them, in place)."""
+        return None if self.order is None else self.order[:self.k]
 
-    def take(self, tree):
-        """The subset's rows of every [rows, ...] leaf (a differentiable gather)."""
-        return _map_rows(lambda a: a[self.rows], tree, self.order.shape[0])
+    def full_shape(self, leading: tuple[int, ...]) -> tuple[int, ...]:
+        """The batch's leading shape, from the subset's `leading` one."""
+        return leading if self.order is None else self.order.shape
 
-    def put(self, full, tree):
-        """`full` with the subset's rows of each [rows, ...] leaf replaced by `tree`'s (the
-        inverse of `take`); other leaves are `tree`'s. A gather and a select, not a scatter:
-        XLA:CPU fuses them with whatever computes `full` into one pass per leaf."""
+    def share(self, mean):
+        """A mean over the subset's rows as its share of the batch mean (k / rows of it)."""
+        return mean if self.order is None else mean * (self.k / self.order.shape[0])
+
+    def take(self, tree, axis: int = 0):
+        """The subset's rows of every [rows, ...] leaf, rows on `axis` (a differentiable
+        gather)."""
+        if self.order is None:
+            return tree
+        at = (slice(None),) * axis + (self.indices,)
+        return _map_rows(lambda a: a[at], tree, self.order.shape[0], axis)
+
+    def put(self, tree, outside):
+        """The batch's tree: `tree` (on the subset's rows) on the subset's rows, `outside()`
+        (on every row) on the others; leaves without rows are `tree`'s. A gather and a
+        select, not a scatter: XLA:CPU fuses them with whatever computes `outside()` into
+        one pass per leaf."""
+        if self.order is None:
+            return tree
         n = self.order.shape[0]
         inside = self.slot < self.k
         at = jnp.minimum(self.slot, self.k - 1)
@@ -70,27 +88,39 @@ class Subset(NamedTuple):
             if not (f.ndim and f.shape[0] == n):
                 return t
             return jnp.where(inside.reshape(-1, *[1] * (f.ndim - 1)), t[at], f)
-        return jax.tree.map(put, full, tree)
+        return jax.tree.map(put, outside(), tree)
 
     def take_and_zero_row(self, tree):
         """The subset's rows of every [rows, ...] leaf, then one all-zero row: it stands for
         the batch's other rows, all dead (every site input zero), so for the CI fn's taps."""
-        return _map_rows(lambda a: jnp.concatenate([a[self.rows], jnp.zeros_like(a[:1])]),
+        if self.order is None:
+            return tree
+        return _map_rows(lambda a: jnp.concatenate([a[self.indices], jnp.zeros_like(a[:1])]),
                          tree, self.order.shape[0])
 
+    def head(self, tree):
+        """The first k rows of each leaf of a tree made on `take_and_zero_row` rows: the
+        subset's own."""
+        if self.order is None:
+            return tree
+        return {s: v[:self.k] for s, v in tree.items()}
+
     @property
-    def counts(self) -> np.ndarray:
-        """How many batch rows each row of `take_and_zero_row` stands for."""
+    def counts(self) -> np.ndarray | None:
+        """How many batch rows each row of `take_and_zero_row` stands for (None: one each)."""
+        if self.order is None:
+            return None
         return np.append(np.ones(self.k, np.float32), np.float32(self.order.shape[0] - self.k))
 
 
-def _map_rows(fn, tree, n: int):
-    """`fn` on every [n, ...] leaf of `tree`. A factored activation (targets/lowrank.py) has
-    its rows in its coefficients; its bases are weights, whatever their first dimension."""
+def _map_rows(fn, tree, n: int, axis: int = 0):
+    """`fn` on every leaf of `tree` with n rows on `axis`. A factored activation
+    (targets/lowrank.py) has its rows in its coefficients; its bases are weights, whatever
+    their first dimension."""
     def one(x):
         if isinstance(x, LowRank):
             return LowRank(tuple(fn(a) for a in x.coeffs), x.bases)
-        return fn(x) if x.ndim and x.shape[0] == n else x
+        return fn(x) if x.ndim > axis and x.shape[axis] == n else x
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, LowRank))
 
 
@@ -147,8 +177,8 @@ def live_first(live):
 
 def switch(live: LiveRows, sizes_: tuple[int, ...], fn):
     """`fn(subset)` at the smallest size holding every live row: one compiled branch per size,
-    the full batch (subset None: nothing gathered) the last."""
+    the full batch (`Subset.all`: nothing gathered) the last."""
     n = sizes_[-1]
-    branches = [functools.partial(fn, None if k == n else Subset(live.order, live.slot, k))
+    branches = [functools.partial(fn, Subset.all(n) if k == n else Subset(live.order, live.slot, k))
                 for k in sizes_]
     return jax.lax.switch(live.size, branches)

@@ -83,20 +83,18 @@ def stochastic_plan(term: StochasticTerm, sites: tuple[str, ...]) -> list[tuple[
 
 
 def stochastic_masks(key, lower: dict[str, jax.Array], live: tuple[str, ...], routing: str,
-                     use_delta: bool, rows: Subset | None = None) -> dict[str, MaskThunk]:
+                     use_delta: bool, rows: Subset) -> dict[str, MaskThunk]:
     """Masks of one stochastic draw: fresh U[0,1] sources per site, position and channel,
     as thunks drawn inside the forward at each site (only the joint uniform_k routes, one
-    bool per site and position, are drawn up front). With `rows`, `lower` holds those rows
-    and only their draws are made (the same values as theirs in the full draw)."""
-    leading = next(iter(lower.values())).shape[:-1]
-    full = leading if rows is None else rows.order.shape
-    routes = uniform_k_routes(jax.random.fold_in(key, 1 << 20), full, len(live)) \
-        if routing == "uniform_k" else None
-    if routes is not None and rows is not None:
-        routes = routes[:, rows.rows]
+    bool per site and position, are drawn up front). `lower` holds the batch's `rows`
+    (`Subset.all`: every row) and only their draws are made (the same values as theirs in
+    the full draw)."""
+    full = rows.full_shape(next(iter(lower.values())).shape[:-1])
+    routes = rows.take(uniform_k_routes(jax.random.fold_in(key, 1 << 20), full, len(live)),
+                       axis=1) if routing == "uniform_k" else None
     return {s: functools.partial(_stochastic_site_mask, jax.random.fold_in(key, i), lower[s],
                                  use_delta, None if routes is None else routes[i], full,
-                                 None if rows is None else rows.rows)
+                                 rows.indices)
             for i, s in enumerate(live)}
 
 
@@ -107,11 +105,11 @@ def _stochastic_site_mask(key, lower, use_delta: bool, route, full, rows) -> Sit
 
 
 def stochastic_recon(key, term: StochasticTerm, plan, lower, recon_fn, use_delta: bool,
-                     rows: Subset | None = None):
+                     rows: Subset):
     """[S10] mean over ALL forwards (plan entries x draws) of the divergence.
 
-    `recon_fn(masks) -> divergence` runs one masked forward against the clean output; with
-    `rows`, `lower` and `recon_fn` are on those rows.
+    `recon_fn(masks) -> divergence` runs one masked forward against the clean output;
+    `lower` and `recon_fn` are on the batch's `rows` (`Subset.all`: every row).
     """
     total = jnp.float32(0.0)
     n = 0
