@@ -325,10 +325,13 @@ def test_bench_replay_reports_interleaved_window_ratios_and_firsts_ideal(capsys)
                          "step_ms/first_full", "step_ms/first_repeat",
                          "window_step_ideal/first", "full_step_ms", "repeat_step_ms"))
     assert all(v > 0 for v in r.values()), r
-    # (1 + (k-1) repeat/full) / k with repeat > 0 is over 1/k; it is at most 1 where the
-    # repeat step is no slower than the full one, whose work (taps, the CI fn's forward and
-    # backward) it skips: at these sizes the CI fn is about half of the step
-    assert 1 / k < r["window_step_ideal/first"] <= 1
+    # the ideal from the printed median repeat/full ratio (both printed to 4 digits),
+    # (1 + (k-1) ratio) / k: over 1/k
+    # for any repeat time > 0. Whether it is under 1 (the repeat step faster than the full
+    # one) is a timing, left to the bench: on a loaded 2-core CI machine it can be either
+    ratio = float(report["repeat_over_full/first"])
+    assert r["window_step_ideal/first"] == pytest.approx((1 + (k - 1) * ratio) / k, rel=2e-3)
+    assert 1 / k < r["window_step_ideal/first"]
     # --windows is gone: each round is one window of every mode
     assert cli.run(["bench", "replay", *TINY, "--rounds=0"]) == 2
     assert "--rounds" in capsys.readouterr().err
