@@ -134,6 +134,26 @@ def test_remat_matches_plain():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_the_cpu_block_loop_computes_what_the_scan_does(monkeypatch):
+    """On CPU the blocks run as a Python loop (no stacked residuals), elsewhere under
+    lax.scan: both paths, here both run on the CPU, give the same logits and gradients
+    (float reassociation aside)."""
+    f, t = _ci(dataclasses.replace(CI, taps="resid", n_blocks=3))
+    taps = t.read_activations(_tokens(), f.input_names)
+    results = {}
+    for where in ("cpu", "tpu"):
+        monkeypatch.setattr(ci_transformer, "platform", lambda where=where: where)
+        # a new function per path: JAX caches a trace by function
+        loss = lambda f: sum(jnp.sum(jnp.sin(v)) for v in f(taps, None).values())
+        results[where] = jax.jit(jax.value_and_grad(loss))(f)
+        jaxpr = str(jax.make_jaxpr(loss)(f))
+        assert ("scan[" in jaxpr) == (where == "tpu"), where
+    (v0, g0), (v1, g1) = results["cpu"], results["tpu"]
+    np.testing.assert_allclose(v0, v1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_parameter_count_follows_the_config():
     """Size is set by config (d_model, n_blocks, d_mlp), so a run can size the CI fn at ~10x
     the target: K * (D_in d + n (4 d^2 + 2 d d_mlp + 2 d) + d + sum_s (d + 1) C_s)."""

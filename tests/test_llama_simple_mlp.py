@@ -282,3 +282,44 @@ def test_gelu_is_jax_gelu_with_the_same_derivative():
     y, dy = jax.jvp(lm.gelu, (x,), (jnp.ones_like(x),))
     np.testing.assert_array_equal(y, jax.nn.gelu(x, approximate=True))
     np.testing.assert_array_equal(dy, mine)
+
+
+def _copied_sizes(compiled) -> list[int]:
+    """Element counts of the arrays a compiled program copies into another layout: its
+    top-level copies and transposes, and fusions XLA named after one (their root)."""
+    from ppgd_tpu import hlo
+
+    module, sizes = hlo.Module(compiled.as_text()), []
+    for comp, instrs in module.computations.items():
+        fused = comp.startswith(("fused_", "wrapped_"))
+        for ins in instrs:
+            if (ins.opcode in ("copy", "transpose") and not fused) or (
+                    ins.opcode == "fusion" and ins.name.startswith(("copy", "transpose"))):
+                sizes += [int(np.prod(dims)) for _, dims in hlo.arrays(ins.shape)[:1]]
+    return sizes
+
+
+def test_the_mlp_and_attention_gradients_copy_no_activation_sized_array():
+    """On XLA:CPU a weight gradient contracting both B and T, or an attention einsum whose
+    batch dims are not leading, copies the [B, T, d_mlp] cotangent or the [B, H, T, T]
+    scores into a transposed layout, in every block's backward (docs/performance-log.md).
+    `linear` and `attention` are laid out so the gradient of an MLP + attention block
+    copies nothing that large."""
+    from ppgd_tpu.targets.lowrank import linear
+
+    Bx, Tx, d, m, H, kv = 4, 32, 16, 96, 4, 2
+    hd = d // H
+
+    def block(w, x):
+        q = linear(x, w["q"]).reshape(Bx, Tx, H, hd)
+        k, v = (linear(x, w[n]).reshape(Bx, Tx, kv, hd) for n in ("k", "v"))
+        h = x + linear(lm.attention(q, k, v, causal=True), w["o"])
+        return jnp.sum(linear(lm.gelu(linear(h, w["fc"])), w["down"]) ** 2)
+
+    shapes = {"q": (d, d), "k": (d, kv * hd), "v": (d, kv * hd), "o": (d, d), "fc": (d, m),
+              "down": (m, d)}
+    w = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()}
+    x = jax.ShapeDtypeStruct((Bx, Tx, d), jnp.float32)
+    compiled = jax.jit(jax.grad(block, argnums=(0, 1))).lower(w, x).compile()
+    sizes = _copied_sizes(compiled)
+    assert max(sizes, default=0) < min(Bx * Tx * m, Bx * H * Tx * Tx), sorted(sizes)[-5:]

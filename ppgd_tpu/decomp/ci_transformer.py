@@ -6,8 +6,10 @@ an independent pre-norm, bidirectional transformer: it reads the weightless-RMS-
 concatenation of its taps, projects it to d_model, runs n_blocks RoPE (base 10000, inv_freq
 stop-gradient'd [S27]) attention + GELU-MLP blocks, and ends in one Linear head per site
 (d_model -> C_s). The chunks' parameters are STACKED on a leading axis and all chunks run
-under one vmap (blocks under one scan), so every chunk must be homogeneous: the same tap
-widths, site count and C at each position; `init` refuses a mismatch naming the chunk.
+under one vmap, so every chunk must be homogeneous: the same tap widths, site count and C at
+each position; `init` refuses a mismatch naming the chunk. The blocks, stacked too, run under
+one `lax.scan`, unrolled on CPU (where the scan's stacked residuals cost ~20% of the LM step:
+docs/performance-log.md). Every matmul is `lowrank.linear` (one 2-D matmul per weight).
 Activations are pinned to the batch rows at block boundaries (tracing.shard_rows) [D1].
 
 Taps (`decomp.ci_fn.taps`):
@@ -30,8 +32,8 @@ from ppgd_tpu.config import CIFnConfig, ConfigError
 from ppgd_tpu.decomp import rng
 from ppgd_tpu.targets.llama_simple_mlp import apply_rope, attention, gelu, rms_norm, \
     rope_tables
-from ppgd_tpu.targets.lowrank import dense
-from ppgd_tpu.tracing import shard_rows
+from ppgd_tpu.targets.lowrank import dense, linear
+from ppgd_tpu.tracing import platform, shard_rows
 
 ROPE_BASE = 10000.0
 
@@ -87,16 +89,22 @@ class ChunkwiseTransformer(eqx.Module):
         def block(h, b: Blocks):
             B, T, _ = h.shape
             a = rms_norm(h, b.ln_1)
-            q, k, v = (jnp.reshape(a @ w, (B, T, self.n_heads, -1)) for w in (b.wq, b.wk, b.wv))
+            q, k, v = (jnp.reshape(linear(a, w), (B, T, self.n_heads, -1))
+                       for w in (b.wq, b.wk, b.wv))
             a = shard_rows(attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
                                      causal=False))
-            h = shard_rows(h + a @ b.wo)
-            return shard_rows(h + gelu(rms_norm(h, b.ln_2) @ b.w1) @ b.w2), None
+            h = shard_rows(h + linear(a, b.wo))
+            return shard_rows(h + linear(gelu(linear(rms_norm(h, b.ln_2), b.w1)), b.w2)), None
 
-        h, _ = jax.lax.scan(jax.checkpoint(block) if self.remat else block,
-                            shard_rows(x.astype(p.w_in.dtype) @ p.w_in), p.blocks)
+        block = jax.checkpoint(block) if self.remat else block
+        h = shard_rows(linear(x.astype(p.w_in.dtype), p.w_in))
+        if platform() == "cpu":  # unrolled: no stacked residuals to zero, write and slice
+            for i in range(p.blocks.wq.shape[0]):
+                h, _ = block(h, jax.tree.map(lambda a: a[i], p.blocks))
+        else:
+            h, _ = jax.lax.scan(block, h, p.blocks)
         h = rms_norm(h, p.ln_f)
-        return tuple(shard_rows(h @ w + b) for w, b in zip(p.head_w, p.head_b))
+        return tuple(shard_rows(linear(h, w) + b) for w, b in zip(p.head_w, p.head_b))
 
 
 def layer_of(site: str) -> int:

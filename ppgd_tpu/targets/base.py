@@ -21,7 +21,7 @@ import numpy as np
 
 from ppgd_tpu import axes
 from ppgd_tpu.decomp.divergence import mse
-from ppgd_tpu.targets.lowrank import dense, lift, select_rows
+from ppgd_tpu.targets.lowrank import dense, lift, linear, select_rows
 
 SiteFn = Callable[[str, jax.Array, jax.Array], jax.Array]
 
@@ -45,6 +45,11 @@ class SiteMask(NamedTuple):
 MaskThunk = Callable[[], SiteMask]
 
 
+def frozen(name: str, x, W: jax.Array):
+    """[S3] a site as the frozen model computes it, x @ W: the site fn of a plain forward."""
+    return linear(x, W)
+
+
 def site_out(x, W, V, U, m: SiteMask):
     """SPEC 2: y = ((x V) * mask) U + (x Δ) * delta_mask, Δ = W - V U; routed or frozen.
 
@@ -52,15 +57,15 @@ def site_out(x, W, V, U, m: SiteMask):
     ((x V) * (mask - d)) U + (x W) d: one product with U instead of two, and no d_in x d_out
     Δ is ever formed. A factored x (targets/lowrank.py) gives a factored y.
     """
-    inner = dense(x @ V)
+    inner = dense(linear(x, V))
     mask = m.mask.astype(inner.dtype)  # fp32 sources must not promote a bf16 forward [N2]
     if m.delta is None:
-        y = lift(inner * mask, x) @ U
+        y = linear(lift(inner * mask, x), U)
     else:
         d = m.delta[..., None].astype(inner.dtype)
-        y = lift(inner * (mask - d), x) @ U + (x @ W) * d
+        y = linear(lift(inner * (mask - d), x), U) + linear(x, W) * d
     if m.route is not None:
-        y = select_rows(m.route[..., None], y, x @ W)
+        y = select_rows(m.route[..., None], y, linear(x, W))
     return y
 
 
@@ -84,7 +89,7 @@ class Target(eqx.Module):
 
     def clean_output(self, inputs):
         """[S3] the recon target: the frozen forward, gradient-stopped."""
-        out = self.forward(inputs, lambda name, x, W: x @ W)
+        out = self.forward(inputs, frozen)
         return jax.lax.stop_gradient(out)
 
     def read_activations(self, inputs, wanted) -> dict[str, jax.Array]:
@@ -94,7 +99,7 @@ class Target(eqx.Module):
         def record(name, x, W):
             if name in wanted:
                 taps[name] = jax.lax.stop_gradient(x)
-            return x @ W
+            return frozen(name, x, W)
 
         self.forward(inputs, record)
         return {k: taps[k] for k in wanted}
@@ -108,7 +113,7 @@ class Target(eqx.Module):
 
         def fn(name, x, W):
             if name not in masks:
-                return x @ W
+                return frozen(name, x, W)
             m = masks[name]
             m = m() if callable(m) else m
             return site_out(x, W, components.V[name], components.U[name], m)

@@ -32,7 +32,7 @@ from safetensors import numpy as safetensors_numpy
 from ppgd_tpu import cache, storage
 from ppgd_tpu.config import ConfigError, TargetConfig, from_dict, leaves, to_dict
 from ppgd_tpu.targets import llama_simple_mlp, resid_mlp, tms
-from ppgd_tpu.targets.base import Target
+from ppgd_tpu.targets.base import Target, frozen
 
 KINDS: dict[str, ModuleType] = {"tms": tms, "resid_mlp": resid_mlp,
                                 "llama_simple_mlp": llama_simple_mlp}
@@ -67,7 +67,7 @@ def pretrain(cfg: TargetConfig) -> Target:
 
     def loss(p, x):
         t = eqx.combine(p, static)
-        out = t.forward(x, lambda _, h, W: h @ W)
+        out = t.forward(x, frozen)
         return jnp.mean(jnp.square(out - t.labels(x)))
 
     def step(carry, i):

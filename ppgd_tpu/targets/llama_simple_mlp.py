@@ -31,7 +31,8 @@ from ppgd_tpu import axes
 from ppgd_tpu.config import ConfigError, LlamaConfig
 from ppgd_tpu.tracing import shard_rows
 from ppgd_tpu.decomp.divergence import kl
-from ppgd_tpu.targets.base import Target, nonfinite
+from ppgd_tpu.targets.base import Target, frozen, nonfinite
+from ppgd_tpu.targets.lowrank import linear
 
 NORM_EPS = 1e-5
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -94,15 +95,24 @@ def apply_rope(x, cos, sin):
 
 
 def attention(q, k, v, causal: bool):
-    """q [B,T,H,hd], k/v [B,T,Hkv,hd] -> [B,T,H*hd]; fp32 softmax, GQA by head groups."""
+    """q [B,T,H,hd], k/v [B,T,Hkv,hd] -> [B,T,H*hd]; fp32 softmax, GQA by head groups (query
+    head h reads kv head h // (H / Hkv)).
+
+    The query heads of a kv group are laid out next to each other along the rows,
+    [B, Hkv, G*T, hd]: each einsum, and each of its gradients, is then one batched matmul
+    contracting ONE dim, so XLA:CPU never copies the [.., T, T] scores or probabilities
+    into another layout (docs/performance-log.md)."""
     B, T, H, hd = q.shape
     kv = k.shape[2]
-    q = q.reshape(B, T, kv, H // kv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) / np.sqrt(hd)
-    if causal:
-        scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf)
+    G = H // kv
+    q = q.reshape(B, T, kv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, kv, G * T, hd)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) / np.sqrt(hd)
+    if causal:  # row g*T + t of a group is query position t
+        scores = jnp.where(jnp.tile(jnp.tril(jnp.ones((T, T), bool)), (G, 1)), scores, -jnp.inf)
     p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(B, T, H * hd)
+    out = jnp.einsum("bkqs,bksd->bkqd", p, v).reshape(B, kv, G, T, hd)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
 
 
 class Block(eqx.Module):
@@ -149,7 +159,7 @@ class LlamaSimpleMLP(Target):
         for L in range(len(self.blocks)):
             block = lambda h, L=L: self._block(L, h, site_fn, tables)
             h = jax.checkpoint(block)(h) if self.remat else block(h)
-        return shard_rows(rms_norm(h, self.ln_f) @ self.wte.T)
+        return shard_rows(linear(rms_norm(h, self.ln_f), self.wte.T))
 
     def read_activations(self, inputs, wanted):
         """[S4] `resid.{L}` and site inputs, clean path, gradient-stopped; the forward stops
@@ -166,7 +176,7 @@ class LlamaSimpleMLP(Target):
         def record(name, x, W):
             if name in wanted:
                 taps[name] = jax.lax.stop_gradient(x)
-            return x @ W
+            return frozen(name, x, W)
 
         h, tables = self._embed(inputs)
         for L in range(last + 1):

@@ -41,11 +41,12 @@ from ppgd_tpu.data.schedule import train_eval_schedules
 from ppgd_tpu.data.tokens import DamagedStoreError, IncompleteStoreError, TokenStore
 from ppgd_tpu.targets import build
 from ppgd_tpu.targets import llama_simple_mlp as lm
+from ppgd_tpu.targets.base import frozen
 
 
 def next_token_loss(target: lm.LlamaSimpleMLP, rows):
     """Mean cross-entropy of predicting rows[:, 1:] from rows[:, :-1], fp32."""
-    logits = target.forward(rows[:, :-1], lambda _, x, W: x @ W).astype(jnp.float32)
+    logits = target.forward(rows[:, :-1], frozen).astype(jnp.float32)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]))
 
 

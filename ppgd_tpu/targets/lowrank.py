@@ -48,6 +48,17 @@ class LowRank(NamedTuple):
         return out
 
 
+def linear(x, W: jax.Array):
+    """x @ W over x's last dim. An activation with several leading dims ([B, T, d]) is
+    multiplied as ONE 2-D matmul [rows, d_in] x [d_in, d_out]: its weight gradient then
+    contracts one dim, where over B and T XLA:CPU first copies the [B, T, d_out] cotangent
+    into a transposed layout (docs/performance-log.md). The same product; a factored x stays
+    lazy."""
+    if isinstance(x, LowRank) or x.ndim <= 2:
+        return x @ W
+    return (x.reshape(-1, x.shape[-1]) @ W).reshape(*x.shape[:-1], W.shape[-1])
+
+
 def dense(x):
     """x as a plain array."""
     return x.dense() if isinstance(x, LowRank) else x

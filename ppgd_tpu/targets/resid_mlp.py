@@ -14,7 +14,7 @@ import numpy as np
 from ppgd_tpu import axes
 from ppgd_tpu.config import ResidMLPConfig
 from ppgd_tpu.data.toy import sparse_features
-from ppgd_tpu.targets.base import Target, nonfinite
+from ppgd_tpu.targets.base import Target, frozen, nonfinite
 from ppgd_tpu.targets.lowrank import LowRank, dense
 
 
@@ -103,7 +103,7 @@ def check(target: ResidMLP, cfg: ResidMLPConfig) -> list[str]:
     if bad:
         return bad
     x = target.sample(jax.random.key(1234), 20000)
-    out = target.forward(x, lambda _, h, W: h @ W)
+    out = target.forward(x, frozen)
     mse = float(jnp.mean(jnp.square(out - target.labels(x))))
     if not np.isfinite(mse):
         return [f"read-off MSE is {mse}: the outputs have non-finite values (the weights "

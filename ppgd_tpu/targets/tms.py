@@ -14,7 +14,7 @@ import numpy as np
 from ppgd_tpu import axes
 from ppgd_tpu.config import TMSConfig
 from ppgd_tpu.data.toy import sparse_features
-from ppgd_tpu.targets.base import Target, nonfinite
+from ppgd_tpu.targets.base import Target, frozen, nonfinite
 
 
 class TMS(Target):
@@ -84,7 +84,7 @@ def check(target: TMS, cfg: TMSConfig) -> list[str]:
     if bad:
         return bad
     n, tol = target.n_features, cfg.check_tol
-    out = np.asarray(target.forward(0.75 * jnp.eye(n), lambda _, h, W: h @ W))
+    out = np.asarray(target.forward(0.75 * jnp.eye(n), frozen))
     if not np.all(np.isfinite(out)):
         return ["x_hat has non-finite values on the one-hot inputs 0.75 e_i (the weights "
                 "overflow)"]
