@@ -345,8 +345,9 @@ def persistent_pgd_ab(trainer, state, n: int, matmul_gflop_per_s: float) -> dict
     """With persistent-PGD terms: the step vs the same step without them (nor their
     adversaries), paired as in `live_rows_ab`: `persistent_pgd_ratio` is what the terms
     cost. Without a live-rows switch also the matmul FLOPs of each (`_matmul_gflop`) and the
-    rate the terms' added FLOPs run at (beside `matmul_gflop_per_s`, the caller's 2048^3 matmul rate): how
-    far the ratio could fall by running them faster. Empty without such terms."""
+    rate the terms' added FLOPs run at (beside `matmul_gflop_per_s`, the caller's 2048^3
+    matmul rate): how far the ratio could fall by running them faster. Empty without such
+    terms."""
     from ppgd_tpu.step import Decomposer
 
     cfg = trainer.cfg
@@ -470,8 +471,8 @@ def bench_replay(args: list[str]) -> int:
       back to back in the same rounds; `repeat_over_full/first` the median of their per-round
       ratios; `window_step_ideal/first` = (1 + (k-1) repeat_over_full/first) / k: the window
       ratio `first` would reach if its window cost one of its full steps plus k-1 repeats
-      and `every`'s step cost as much as that full step. Measured above ideal: the window costs more than its steps alone, or
-      `first`'s full step more than `every`'s.
+      and `every`'s step cost as much as that full step. Measured above ideal: the window
+      costs more than its steps alone, or `first`'s full step more than `every`'s.
     - `compiles_while_timed`: programs compiled (or loaded from the compile cache) during
       the timed rounds; 0 unless a variant recompiles past its first window."""
     from ppgd_tpu import config as config_lib
