@@ -17,7 +17,8 @@ Contract:
 - A seed whose `train` exits non-zero is a row with its exit status; the others still run,
   and the command then exits 1. Otherwise it exits 0.
 - At the end it prints one table, a row per seed: its exit status and, from its
-  summary.json, eval/recovered/*, eval/alive/*, eval/identity_ci_error/*,
+  summary.json, eval/recovered/*, eval/alive/*, eval/alive_sum_rel_error/* (how far the
+  alive components' sum is from the site's weight), eval/identity_ci_error/*,
   eval/dense_ci_error/*, eval/mmcs/*, eval/ml2r/* (the keys it has), then per site and
   overall "recovered at k of n seeds" (n: every seed asked for; a failed seed is not a
   recovery). The same rows and rates go to DIR/sweep.json.
@@ -39,8 +40,9 @@ from ppgd_tpu import cmdline, storage
 from ppgd_tpu import config as config_lib
 
 # summary.json key prefixes shown, in this order, and their column names.
-METRICS = (("recovered", "rec"), ("alive", "alive"), ("identity_ci_error", "id_err"),
-           ("dense_ci_error", "dense_err"), ("mmcs", "mmcs"), ("ml2r", "ml2r"))
+METRICS = (("recovered", "rec"), ("alive", "alive"), ("alive_sum_rel_error", "sum_err"),
+           ("identity_ci_error", "id_err"), ("dense_ci_error", "dense_err"), ("mmcs", "mmcs"),
+           ("ml2r", "ml2r"))
 OWN_FLAGS = ("seeds", "jobs", "output")
 LOGS = "logs"
 RESULT = "sweep.json"

@@ -38,8 +38,8 @@ def test_sweep_tables_each_seed_resumes_and_reports_a_failed_one(tmp_path, capsy
         summary = json.load(open(run / "summary.json"))
         assert r["exit"] == 0 and not r["skipped"]
         assert r["summary"] == sweep.summary_row(summary) and r["summary"]
-        assert {"eval/recovered/linear1", "eval/alive/linear2", "eval/mmcs/linear1"} <= set(
-            r["summary"])
+        assert {"eval/recovered/linear1", "eval/alive/linear2", "eval/mmcs/linear1",
+                "eval/alive_sum_rel_error/linear1"} <= set(r["summary"])
         assert f"seed: {r['seed']}\n" in (run / "config.yaml").read_text()
         cells = [ln.split() for ln in printed.splitlines() if ln.split()[:2] == [
             str(r["seed"]), "0"]]
