@@ -477,7 +477,8 @@ def test_a_pretrain_stopped_by_sigterm_resumes_to_the_weights_and_log_of_a_strai
             proc.kill()
     assert proc.returncode == 143, err
     stopped = int(re.search(r"pretraining stopped at step (\d+); ", err).group(1))
-    assert 3 <= stopped < 300 and os.path.exists(state) and not os.path.exists(out), err
+    # the 3rd loss line is written before its step counts as done: the stop may keep step 2
+    assert 2 <= stopped < 300 and os.path.exists(state) and not os.path.exists(out), err
 
     rc, _, err = run_command(["pretrain", *args(out, "--target.llama_simple_mlp.pretrain.lr=0.02")],
                       capsys)
