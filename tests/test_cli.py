@@ -1,12 +1,14 @@
 """The CLI contract: bad input exits 2 naming the field, before compute and without touching
 an existing run dir; a run writes config.yaml, metrics.jsonl, summary.json and figures."""
 
+import fcntl
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -415,29 +417,42 @@ def test_a_diverged_run_stops_with_status_1_at_the_step_it_saw_it(tmp_path, caps
 
 def _signal_when(cmd, env, ready, signum, after_s=0.0, cwd=None):
     """Runs `cmd`; sends `signum` `after_s` seconds after the first stderr line for which
-    `ready(line)` holds; returns (returncode, stdout, stderr lines)."""
+    `ready(line)` holds; returns (returncode, stdout, stderr lines).
+
+    The child runs at most one page of stderr past that line before the signal, however late
+    this process gets the CPU: its stderr pipe is shrunk to one page, and read a byte at a
+    time so that nothing past the line sits unread here. (With the default 64 KiB pipe and a
+    buffered read, a child under load once got ~90 KB of `-X importtime` lines past the
+    line, out of its imports and into the loop, before the signal came.)"""
     # SIGINT as a terminal sends it: a shell's background job (CI run with `&`) starts its
     # children with SIGINT ignored, and Python then leaves it ignored; a signal the parent
     # handles is reset to the default in the child
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, os.sysconf("SC_PAGE_SIZE"))
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env=env, cwd=cwd)
+        p = subprocess.Popen(cmd, stderr=write_end, stdout=subprocess.PIPE, env=env, cwd=cwd)
     finally:
         signal.signal(signal.SIGINT, previous)
+        os.close(write_end)
     err = []
-    try:
-        for line in p.stderr:
-            err.append(line)
-            if ready(line):
-                time.sleep(after_s)
-                p.send_signal(signum)
-                break
-        out, rest = p.communicate(timeout=300)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    return p.returncode, out, "".join(err + [rest]).splitlines()
+    with open(read_end, "rb", buffering=0) as stderr:
+        try:
+            for line in iter(stderr.readline, b""):  # unbuffered: one byte per read
+                err.append(line.decode())
+                if ready(err[-1]):
+                    time.sleep(after_s)
+                    p.send_signal(signum)
+                    break
+            rest = []  # the rest of stderr, read beside communicate's stdout
+            reader = threading.Thread(target=lambda: rest.append(stderr.read()))
+            reader.start()
+            out = p.communicate(timeout=300)[0]
+            reader.join()
+        finally:
+            if p.poll() is None:
+                p.kill()
+    return p.returncode, out.decode(), "".join(err + [rest[0].decode()]).splitlines()
 
 
 @pytest.mark.parametrize("given", [True, False])
