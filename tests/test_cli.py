@@ -429,16 +429,16 @@ def _signal_when(cmd, env, ready, signum, after_s=0.0, cwd=None):
     # handles is reset to the default in the child
     read_end, write_end = os.pipe()
     fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, os.sysconf("SC_PAGE_SIZE"))
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        p = subprocess.Popen(cmd, stderr=write_end, stdout=subprocess.PIPE, env=env, cwd=cwd)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        os.close(write_end)
-    err = []
-    with open(read_end, "rb", buffering=0) as stderr:
+    with open(read_end, "rb", buffering=0) as stderr:  # unbuffered: one byte per read
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            for line in iter(stderr.readline, b""):  # unbuffered: one byte per read
+            p = subprocess.Popen(cmd, stderr=write_end, stdout=subprocess.PIPE, env=env, cwd=cwd)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            os.close(write_end)
+        err = []
+        try:
+            for line in iter(stderr.readline, b""):
                 err.append(line.decode())
                 if ready(err[-1]):
                     time.sleep(after_s)
